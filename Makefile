@@ -1,0 +1,48 @@
+# The README's commands. `make test` and `make generate` each do all set-up on a fresh machine.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch comes from the CPU wheel on local disk; the constraint keeps every later install on it,
+# so no dependency can pull a CUDA build.
+TORCH_WHEELS ?= /opt/wheels
+TORCH_PIN := torch==2.13.0
+FIND_LINKS := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS),)
+TEST_PACKS ?= smollm2-135m-instruct
+PROMPT ?= Write a Python function that checks whether a string is a palindrome.
+
+.PHONY: venv install generate test lint bench models fetch-test-packs clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q $(FIND_LINKS) "$(TORCH_PIN)"
+	echo "$(TORCH_PIN)" > $(VENV)/constraints.txt
+	$(PIP) install -q $(FIND_LINKS) -c $(VENV)/constraints.txt -e ".[dev]"
+	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0') and not torch.cuda.is_available() or True"
+	touch $@
+
+venv install: $(VENV)/.installed
+
+generate: install
+	$(VENV)/bin/specserve generate --chat --prompt "$(PROMPT)"
+
+fetch-test-packs: install
+	for p in $(TEST_PACKS); do $(VENV)/bin/specserve models fetch $$p || exit 1; done
+
+test: install fetch-test-packs
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: install
+	$(VENV)/bin/specserve bench
+
+models: install
+	$(VENV)/bin/specserve models list
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
