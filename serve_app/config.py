@@ -1,0 +1,117 @@
+"""Settings: one pydantic-settings root, the single source of truth for defaults.
+
+Every field has a description; unknown keys are errors (``extra="forbid"``). Values come from, in
+order of precedence: explicit keyword arguments (the CLI), environment variables with the prefix
+``SPECSERVE_`` (nested with ``__``, e.g. ``SPECSERVE_RUNTIME__DTYPE=float32``), a YAML file named by
+``SPECSERVE_CONFIG``, then the defaults written here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def default_cache_dir() -> Path:
+    """The model store's default root: ``$XDG_CACHE_HOME/specserve`` or ``~/.cache/specserve``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specserve"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSettings(_Section):
+    target: str = Field(
+        DEFAULT_TARGET,
+        description="Target model: a pack name (`specserve models list`), a local HF folder, or a hub id.",
+    )
+    draft: str | None = Field(
+        DEFAULT_DRAFT,
+        description="Draft model for draft-model speculation (same tokenizer as the target); null for none.",
+    )
+
+
+class RuntimeSettings(_Section):
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="Weight and activation dtype; bf16 uses the CPU's AMX units."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Device to run on; auto picks CUDA when present, else CPU."
+    )
+    threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads; null keeps torch's default (all cores)."
+    )
+
+
+class CacheSettings(_Section):
+    max_slots: int = Field(8, ge=1, description="KV slots per model, i.e. the most requests running at once.")
+    max_seq_len: int = Field(
+        4096, ge=16, description="Longest sequence (prompt + output + draft lookahead) a slot can hold."
+    )
+
+
+class StoreSettings(_Section):
+    cache_dir: Path = Field(
+        default_factory=default_cache_dir,
+        description="Model store root: downloaded wheels, joined GGUF files and converted models.",
+    )
+
+
+class SamplingDefaults(_Section):
+    max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request names none.")
+
+
+class Settings(BaseSettings):
+    """The root of all settings."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SPECSERVE_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    model: ModelSettings = Field(default_factory=ModelSettings, description="Which models to serve.")
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings, description="Decoder runtime.")
+    cache: CacheSettings = Field(default_factory=CacheSettings, description="KV cache sizing.")
+    store: StoreSettings = Field(default_factory=StoreSettings, description="Model store.")
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="Request defaults.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Reads the YAML file named by ``SPECSERVE_CONFIG`` (if any)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("SPECSERVE_CONFIG")
+        if not path:
+            return {}
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"SPECSERVE_CONFIG={path}: expected a mapping at the top level")
+        return data
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build the settings from overrides (nested dicts), environment and YAML file."""
+    return Settings(**overrides)

@@ -1,0 +1,353 @@
+"""Decoder runtime for Llama-family checkpoints (Llama, Qwen2, Mistral; SmolLM2 is Llama).
+
+A compact implementation in the spirit of gpt-fast / nano-vllm: RMSNorm, rotary embeddings with
+the checkpoint's rope settings, grouped-query attention through ``scaled_dot_product_attention``,
+SwiGLU MLP, tied or untied output head. The configuration comes from the folder's ``config.json``
+through ``transformers``; weights come from its safetensors files, with q/k/v and gate/up fused
+into one matrix each so a decode step makes two matrix-vector products per block instead of five.
+
+One forward takes token ids ``[B, T]`` for rows that each own a KV slot. Row ``b`` has
+``cache.lengths[slot_b]`` tokens cached; its ``T`` new tokens sit at positions ``length + t``
+(or at explicit ``positions`` for trees) and attend to everything cached plus the new tokens that
+``block_mask[b, t, :]`` allows (causal by default). Rows shorter than ``T`` are right-padded by
+the caller; padding writes K/V beyond the row's true length, which is garbage by the cache's
+definition, and no real token attends to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from serve_app.engine.kv_cache import CacheBatch, KVCache
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The shape of a decoder, read from a Hugging Face config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, hf_config: object) -> DecoderConfig:
+        model_type = getattr(hf_config, "model_type", "?")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {hf_config.hidden_act!r} (only silu)")
+        heads = hf_config.num_attention_heads
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        window = getattr(hf_config, "sliding_window", None)
+        if model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+            window = None
+        return cls(
+            model_type=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # Qwen2 biases q/k/v only; Llama's attention_bias covers o_proj too.
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            sliding_window=window,
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.num_layers * per_layer + self.vocab_size * h + head + h
+
+
+def rope_tables(hf_config: object, head_dim: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions ``0..length-1``: ``[length, head_dim]`` float32 each.
+
+    Supports every static rope type of ``transformers`` (default, linear, llama3, yarn, ...);
+    ``dynamic`` depends on the sequence length at run time and is refused.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:  # transformers 4.x names
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "dynamic":
+        raise ValueError("dynamic NTK rope scaling is not supported")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    rotary_dim = head_dim
+    if rope_type == "default":
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq.float())  # [L, rotary/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [L, rotary]
+    return angles.cos() * scaling, angles.sin() * scaling
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers computes it: statistics in float32, scale in the model dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; cos, sin: [B, 1, T, D]. Rotates pairs (i, i + D/2).
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer:
+    """One pre-norm transformer block; plain tensors, no nn.Module call overhead."""
+
+    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.cfg = cfg
+        self.attn_norm = weights["input_layernorm.weight"]
+        self.mlp_norm = weights["post_attention_layernorm.weight"]
+        self.qkv = torch.cat([weights[f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        self.qkv_bias = torch.cat([weights[f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.qkv_bias else None
+        self.o = weights["self_attn.o_proj.weight"]
+        self.o_bias = weights.get("self_attn.o_proj.bias") if cfg.o_bias else None
+        self.gate_up = torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]])
+        self.gate_up_bias = (
+            torch.cat([weights["mlp.gate_proj.bias"], weights["mlp.up_proj.bias"]]) if cfg.mlp_bias else None
+        )
+        self.down = weights["mlp.down_proj.weight"]
+        self.down_bias = weights.get("mlp.down_proj.bias") if cfg.mlp_bias else None
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for t in (self.attn_norm, self.mlp_norm, self.qkv, self.qkv_bias, self.o, self.o_bias,
+                  self.gate_up, self.gate_up_bias, self.down, self.down_bias):  # fmt: skip
+            if t is not None:
+                yield t
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        index: int,
+        cache: KVCache,
+        batch: CacheBatch,
+        cos: torch.Tensor,  # [B, 1, T, D]
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = attend; None = all of the S rows
+        causal: bool,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        bsz, steps, _ = x.shape
+        h = _rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
+        qkv = F.linear(h, self.qkv, self.qkv_bias)  # [B, T, (H + 2 H_kv) D]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(bsz, steps, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        v = v.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cache.write(index, batch, k, v)
+        keys, values = cache.read(index, batch)  # [B, H_kv, S, D]
+        attn = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )  # fmt: skip
+        attn = attn.transpose(1, 2).reshape(bsz, steps, self.q_size)  # [B, T, H D]
+        x = x + F.linear(attn, self.o, self.o_bias)
+        h = _rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)  # [B, T, I] each
+        return x + F.linear(F.silu(gate) * up, self.down, self.down_bias)
+
+
+class DecoderModel:
+    """A Llama-family decoder with its weights; the KV cache lives outside (``new_cache``)."""
+
+    def __init__(self, cfg: DecoderConfig, hf_config: object, weights: Mapping[str, torch.Tensor]) -> None:
+        self.cfg = cfg
+        self.hf_config = hf_config
+        self.embed = weights["model.embed_tokens.weight"]
+        self.norm = weights["model.norm.weight"]
+        head = weights.get("lm_head.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings or head is None else head
+        self.layers = [
+            DecoderLayer(cfg, _sub(weights, f"model.layers.{i}.")) for i in range(cfg.num_layers)
+        ]
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self._cos, self._sin = (t.to(self.device) for t in rope_tables(hf_config, cfg.head_dim, 0))
+        self._rope_len = 0
+
+    # ----------------------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    ) -> DecoderModel:
+        """Load a Hugging Face folder (config.json + *.safetensors)."""
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        path = Path(path)
+        hf_config = AutoConfig.from_pretrained(path)
+        cfg = DecoderConfig.from_hf(hf_config)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        weights: dict[str, torch.Tensor] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        return cls(cfg, hf_config, weights)
+
+    @classmethod
+    def from_hf_model(cls, hf_model: torch.nn.Module, dtype: torch.dtype | None = None) -> DecoderModel:
+        """Build from an in-memory ``transformers`` model (tests): same weights, our runtime."""
+        state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        return cls(DecoderConfig.from_hf(hf_model.config), hf_model.config, state)
+
+    def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+        """A slot cache sized for this model."""
+        cfg = self.cfg
+        return KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
+                       self.dtype, self.device)  # fmt: skip
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield self.embed
+        yield self.norm
+        if self.lm_head is not self.embed:
+            yield self.lm_head
+        for layer in self.layers:
+            yield from layer.tensors()
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    # ----------------------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T] token ids, rows right-padded to T
+        cache: KVCache,
+        slots: Sequence[int],
+        positions: torch.Tensor | None = None,  # [B, T]; default lengths[slot_b] + t
+        block_mask: torch.Tensor | None = None,  # [B, T, T] bool: new token t may see new token u
+        layers: Sequence[int] | None = None,  # subset of layers to run (self-speculation)
+    ) -> torch.Tensor:
+        """Run the decoder, writing K/V for every new token; return normed hidden ``[B, T, hidden]``.
+
+        The cache lengths are NOT advanced: the caller decides how many of the T tokens to keep
+        (all for prefill and plain decoding, the accepted prefix for verification).
+        """
+        bsz, steps = tokens.shape
+        batch = cache.batch(list(slots), steps, tokens.device)
+        if positions is None:
+            positions = torch.tensor(batch.starts, device=tokens.device)[:, None] + torch.arange(
+                steps, device=tokens.device
+            )
+        cos, sin = self._rope(positions)
+        mask, causal = self._attention_mask(batch, positions, block_mask)
+        x = F.embedding(tokens, self.embed)
+        for i in range(self.cfg.num_layers) if layers is None else layers:
+            x = self.layers[i](x, i, cache, batch, cos, sin, mask, causal)
+        return _rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    __call__ = forward
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output head: ``[..., hidden] -> [..., vocab]`` float32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1
+        if needed > self._rope_len:
+            length = max(needed, 2 * self._rope_len, 1024)
+            cos, sin = rope_tables(self.hf_config, self.cfg.head_dim, length)
+            self._cos, self._sin, self._rope_len = cos.to(self.device), sin.to(self.device), length
+        cos = self._cos[positions].to(self.dtype).unsqueeze(1)  # [B, 1, T, D]
+        sin = self._sin[positions].to(self.dtype).unsqueeze(1)
+        return cos, sin
+
+    def _attention_mask(
+        self, batch: CacheBatch, positions: torch.Tensor, block_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, bool]:
+        """``[B, 1, T, S]`` bool mask (True = attend), or None with a flag for the fast paths."""
+        steps, upto = batch.steps, batch.upto
+        window = self.cfg.sliding_window
+        single = batch.positions is None
+        if single and block_mask is None and (window is None or upto <= window):
+            if steps == 1:
+                return None, False  # one token sees the whole cache
+            if batch.starts[0] == 0:
+                return None, True  # a fresh prefill is plain causal attention
+        device = positions.device
+        starts = torch.tensor(batch.starts, device=device)[:, None, None]  # [B, 1, 1]
+        key = torch.arange(upto, device=device)[None, None, :]  # [1, 1, S]
+        new_index = key - starts  # [B, 1, S]: index of a key among the new tokens (< 0: cached)
+        query = torch.arange(steps, device=device)[None, :, None]  # [1, T, 1]
+        if block_mask is None:
+            in_block = (new_index >= 0) & (new_index <= query)  # causal among the new tokens
+        else:
+            clamped = new_index.clamp(0, steps - 1).expand(block_mask.shape[0], steps, upto)
+            in_block = (new_index >= 0) & (new_index < steps) & block_mask.gather(2, clamped)
+        mask = (new_index < 0) | in_block  # [B, T, S]
+        if window is not None:
+            # Sliding window over cache rows (rows are positions outside trees): a query at row
+            # start + t sees keys at rows > start + t - window.
+            mask &= key > starts + query - window
+        return mask.unsqueeze(1), False
+
+
+def _sub(weights: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+def read_generation_eos(path: str | Path) -> list[int]:
+    """EOS ids from ``generation_config.json`` and ``config.json`` (either may hold a list)."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        file = Path(path) / name
+        if file.exists():
+            value = json.loads(file.read_text()).get("eos_token_id")
+            for i in value if isinstance(value, list) else [value]:
+                if isinstance(i, int) and i not in ids:
+                    ids.append(i)
+    return ids
