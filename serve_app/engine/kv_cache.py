@@ -61,11 +61,16 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    def allocate(self) -> int:
-        """Take a free slot (length 0)."""
+    def allocate(self, slot: int | None = None) -> int:
+        """Take a free slot (length 0): any, or the given one (to mirror another model's cache)."""
         if not self._free:
             raise CacheFullError(f"all {self.num_slots} KV slots are in use")
-        slot = self._free.pop()
+        if slot is None:
+            slot = self._free.pop()
+        elif slot in self._free:
+            self._free.remove(slot)
+        else:
+            raise ValueError(f"slot {slot} is not free")
         self.lengths[slot] = 0
         return slot
 
@@ -112,8 +117,8 @@ class KVCache:
     def read(self, layer: int, batch: CacheBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the batch's slots up to row ``upto``: ``[B, H_kv, upto, D]`` each."""
         if batch.positions is None:
-            slot = batch.slots[0]
-            return self.k[layer][slot : slot + 1, :, : batch.upto], self.v[layer][slot : slot + 1, :, : batch.upto]
+            rows = slice(batch.slots[0], batch.slots[0] + 1)
+            return self.k[layer][rows, :, : batch.upto], self.v[layer][rows, :, : batch.upto]
         # Slice first so the gather copies only the rows in use.
         return (
             self.k[layer][:, :, : batch.upto].index_select(0, batch.slot_index),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 
 from serve_app.engine.kv_cache import CacheBatch, KVCache
 
@@ -143,7 +143,9 @@ class DecoderLayer:
         self.attn_norm = weights["input_layernorm.weight"]
         self.mlp_norm = weights["post_attention_layernorm.weight"]
         self.qkv = torch.cat([weights[f"self_attn.{n}_proj.weight"] for n in "qkv"])
-        self.qkv_bias = torch.cat([weights[f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.qkv_bias else None
+        self.qkv_bias = (
+            torch.cat([weights[f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.qkv_bias else None
+        )
         self.o = weights["self_attn.o_proj.weight"]
         self.o_bias = weights.get("self_attn.o_proj.bias") if cfg.o_bias else None
         self.gate_up = torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]])
@@ -277,7 +279,7 @@ class DecoderModel:
         The cache lengths are NOT advanced: the caller decides how many of the T tokens to keep
         (all for prefill and plain decoding, the accepted prefix for verification).
         """
-        bsz, steps = tokens.shape
+        steps = tokens.shape[1]
         batch = cache.batch(list(slots), steps, tokens.device)
         if positions is None:
             positions = torch.tensor(batch.starts, device=tokens.device)[:, None] + torch.arange(

@@ -1,0 +1,152 @@
+"""`specserve` command line: generate, models, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from serve_app.config import Settings, load_settings
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """Settings from env/YAML, with the command line's explicit choices on top."""
+    base = load_settings()
+    runtime = base.runtime.model_dump()
+    for key in ("dtype", "device", "threads"):
+        if getattr(args, key, None) is not None:
+            runtime[key] = getattr(args, key)
+    model = base.model.model_dump()
+    if getattr(args, "model", None):
+        model["target"] = args.model
+    return Settings(**{**base.model_dump(), "runtime": runtime, "model": model})
+
+
+def _store(settings: Settings):
+    from serve_app.engine.store import ModelStore
+
+    return ModelStore(settings.store.cache_dir)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    store = _store(load_settings())
+    if args.action == "list":
+        for status in store.list():
+            spec = status.spec
+            state = f"fetched at {status.path}" if status.fetched else "not fetched"
+            print(f"{spec.name:32s} {spec.upstream} ({spec.quantization}, {spec.license}): {state}")
+    elif args.action == "fetch":
+        print(store.fetch(args.name))
+    elif args.action == "path":
+        print(store.path(args.name))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from serve_app.engine.engine import EngineConfig, SpecEngine
+    from serve_app.engine.sampling import SamplingParams
+
+    settings = _settings(args)
+    if settings.runtime.threads:
+        torch.set_num_threads(settings.runtime.threads)
+    path = _store(settings).resolve(settings.model.target)
+    config = EngineConfig(max_slots=1, max_seq_len=settings.cache.max_seq_len)
+    engine = SpecEngine.from_path(path, config, settings.runtime.dtype, settings.runtime.device)
+    params = SamplingParams(
+        max_tokens=args.max_tokens or settings.sampling.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+    )
+    prompt_ids = engine.encode_prompt(args.prompt, chat=args.chat)
+    start = time.perf_counter()
+    first = None
+    count = 0
+    reason = None
+    for output in engine.stream(prompt_ids, params):
+        first = first or time.perf_counter()
+        count += len(output.new_token_ids)
+        sys.stdout.write(output.new_text)
+        sys.stdout.flush()
+        reason = output.finish_reason
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    decode_rate = (count - 1) / (end - first) if first and count > 1 else 0.0
+    print(
+        f"[{count} tokens, finish_reason={reason}, ttft {((first or end) - start) * 1e3:.0f} ms, "
+        f"{decode_rate:.2f} tok/s decode]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from serve_app.bench import run_bench
+
+    return run_bench(args, _settings(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def runtime_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="pack name, local HF folder or hub id (default: settings)")
+        p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: settings (bfloat16)")
+        p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default: settings (auto)")
+        p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streaming to stdout")
+    runtime_flags(gen)
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, help="default: settings (256)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="list, fetch or locate model packs")
+    msub = models.add_subparsers(dest="action", required=True)
+    msub.add_parser("list", help="the known packs and whether they are fetched")
+    msub.add_parser("fetch", help="download, verify and convert a pack").add_argument("name")
+    msub.add_parser("path", help="the converted folder of a fetched pack").add_argument("name")
+    models.set_defaults(func=cmd_models)
+
+    bench = sub.add_parser("bench", help="benchmark our decoding against transformers (not a test)")
+    runtime_flags(bench)
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--kinds", nargs="*", help="prompt kinds to run (default: all)")
+    bench.add_argument("--no-transformers", action="store_true", help="skip the transformers reference")
+    bench.add_argument("--out", default="bench-results", help="folder for the JSON and Markdown results")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
+    from serve_app.engine.store import StoreError
+
+    try:
+        return args.func(args)
+    except (StoreError, ValueError, FileNotFoundError) as exc:
+        print(f"specserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Sampling: request parameters, the target distribution, and seeded draws.
+
+`process_logits` is the single definition of "the distribution plain decoding samples from". The
+plain decoding path samples from it and the speculative verifier uses the same function to get the
+target probabilities p for every verified position, which is what makes speculation lossless. Any
+change here changes both paths at once; never build p another way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Temperatures below this are treated as greedy. Dividing logits by a tiny positive temperature
+# overflows float32 to inf and softmax then yields NaN; at such temperatures the distribution is a
+# one-hot at the argmax anyway (the same threshold vLLM uses).
+GREEDY_TEMPERATURE = 1e-5
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI semantics).
+
+    `top_k == 0` and `top_p == 1.0` switch those filters off. `seed` makes sampling reproducible for
+    this request; None draws a fresh random seed. `stop` strings and `stop_token_ids` end the
+    request (the stop text is not returned); `ignore_eos` keeps generating past the model's EOS.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers (JSON) but store tuples so the object stays hashable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature 0, or below `GREEDY_TEMPERATURE`)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def process_logits(
+    logits: torch.Tensor,  # [N, V] any float dtype
+    temperature: torch.Tensor,  # [N] float
+    top_k: torch.Tensor,  # [N] long, 0 = off
+    top_p: torch.Tensor,  # [N] float in (0, 1], 1 = off
+) -> torch.Tensor:  # [N, V] float32 probabilities, rows sum to 1
+    """Turn logits into the probabilities plain decoding samples from, one row per position.
+
+    All arithmetic is float32 whatever the logits' dtype. Per row, in this order:
+
+    1. temperature < `GREEDY_TEMPERATURE`: one-hot at `argmax(logits)` (ties: lowest index, as
+       `torch.argmax`); the remaining steps don't apply.
+    2. divide by the temperature;
+    3. top-k (k > 0): keep every token whose scaled logit is >= the k-th largest one, so tokens tied
+       with the k-th are all kept;
+    4. top-p (p < 1): on the softmax of what top-k kept, sorted descending (stable: equal
+       probabilities keep ascending token order), keep the shortest prefix whose cumulative
+       probability reaches p; the most likely token is always kept;
+    5. softmax over the kept tokens (the others get probability exactly 0).
+
+    Rows are independent and may have different parameters; any N works, so the verifier flattens
+    [B, T, V] to [B*T, V] and repeats each request's parameters T times.
+    """
+    raw = logits.float()  # [N, V]
+    v = raw.shape[1]
+    temperature = temperature.to(device=raw.device, dtype=torch.float32)  # [N]
+    top_k = top_k.to(device=raw.device, dtype=torch.long)  # [N]
+    top_p = top_p.to(device=raw.device, dtype=torch.float32)  # [N]
+
+    greedy = temperature < GREEDY_TEMPERATURE  # [N]
+    # Greedy rows divide by 1 so no inf/NaN appears; their result is replaced at the end.
+    x = raw / torch.where(greedy, 1.0, temperature).unsqueeze(1)  # [N, V]
+    one_hot = torch.nn.functional.one_hot(raw.argmax(dim=-1), v).to(torch.float32)  # [N, V]
+
+    filtered = ((top_k > 0) & (top_k < v)) | (top_p < 1.0)  # [N]
+    if not bool(filtered.any()):
+        # Fast path (no sort over a 100k+ vocabulary): bit-identical to the full path, whose
+        # masks keep every finite logit when no row filters.
+        return torch.where(greedy.unsqueeze(1), one_hot, torch.softmax(x, dim=-1))  # [N, V]
+
+    # One stable sort serves both filters; stable so that ties are ordered by token index and the
+    # result is a deterministic function of the logits.
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [N, V] each
+
+    # top-k: threshold at the k-th largest value; k = 0 or k >= V means keep everything.
+    k = torch.where((top_k <= 0) | (top_k > v), v, top_k)  # [N]
+    kth = sorted_x.gather(1, (k - 1).unsqueeze(1))  # [N, 1]
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, -math.inf)  # [N, V] still sorted
+
+    # top-p on the top-k-filtered distribution. A token is kept when the probability mass strictly
+    # before it (exclusive cumsum) is < p; position 0 has mass 0 so it is always kept.
+    sorted_probs = torch.softmax(sorted_x, dim=-1)  # [N, V]
+    cum = torch.cumsum(sorted_probs, dim=-1)  # [N, V]
+    mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # [N, V]
+    # Rows with p >= 1 skip the filter: float32 cumsum can reach 1.0 before the tail and would
+    # otherwise drop tiny-probability tokens that "top_p = 1" promises to keep.
+    keep_sorted = (mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)  # [N, V]
+    keep_sorted &= sorted_x > -math.inf  # respect top-k (and -inf logits)
+    keep_sorted[:, 0] = True  # the most likely token always survives
+
+    keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)  # [N, V] token order
+    probs = torch.softmax(x.masked_fill(~keep, -math.inf), dim=-1)  # [N, V]
+    return torch.where(greedy.unsqueeze(1), one_hot, probs)  # [N, V]
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A per-request random generator on `device`, seeded with `seed` (or fresh OS entropy).
+
+    One generator per request, never shared, so a request's draws do not depend on which other
+    requests are in the batch.
+    """
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def sample(
+    probs: torch.Tensor,  # [N, V] float probabilities (e.g. from process_logits)
+    generators: Sequence[torch.Generator | None],  # len N; None = greedy row
+) -> torch.Tensor:  # [N] long token ids
+    """Draw one token per row: argmax where the generator is None, else a seeded multinomial draw."""
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"got {len(generators)} generators for {probs.shape[0]} rows")
+    tokens = probs.argmax(dim=-1)  # [N]
+    # One multinomial per row: each request draws from its own generator, so batching one request
+    # with others never changes its random stream.
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            tokens[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    return tokens

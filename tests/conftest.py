@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny models and a tiny tokenizer built in memory, and the real model packs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+from serve_app.config import default_cache_dir
+
+TINY_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    '{"name": "specserve", "version": 1, "tags": ["fast", "lossless"]}',
+    "The quick brown fox jumps over the lazy dog. The dog sleeps.",
+    "for i in range(10):\n    print(i * i)\n",
+] * 10
+
+
+def make_tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on a few lines, with an EOS token and a ChatML-like template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+    )
+    tok.train_from_iterator(TINY_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    return fast
+
+
+def make_tiny_hf_model(
+    vocab_size: int, arch: str = "llama", seed: int = 0, layers: int = 2
+) -> torch.nn.Module:
+    """A random float32 transformers decoder small enough for many runs in a test."""
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config = config_cls(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # a larger output scale makes sharper, more varied distributions
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    return make_tiny_tokenizer()
+
+
+def pack_path(name: str) -> Path:
+    """The converted folder of a model pack, or skip (fail under CI, where `make test` fetched it)."""
+    root = Path(os.environ.get("SPECSERVE_STORE__CACHE_DIR") or default_cache_dir())
+    path = root / "models" / name
+    if not (path / "specserve-pack.json").exists():
+        message = f"model pack {name} is not fetched at {path} (run `specserve models fetch {name}`)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return pack_path("smollm2-135m-instruct")
