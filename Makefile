@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 TORCH_WHEELS ?= /opt/wheels
 TORCH_PIN := torch==2.13.0
 FIND_LINKS := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS),)
-TEST_PACKS ?= smollm2-135m-instruct
+TEST_PACKS ?= smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
 .PHONY: venv install generate test lint bench models fetch-test-packs clean

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from serve_app.config import Settings, load_settings
+
+if TYPE_CHECKING:
+    from serve_app.engine.engine import EngineConfig
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -21,7 +26,13 @@ def _settings(args: argparse.Namespace) -> Settings:
     model = base.model.model_dump()
     if getattr(args, "model", None):
         model["target"] = args.model
-    return Settings(**{**base.model_dump(), "runtime": runtime, "model": model})
+    if getattr(args, "draft", None):
+        model["draft"] = args.draft
+    speculation = base.speculation.model_dump()
+    for key in ("method", "depth"):
+        if getattr(args, key, None) is not None:
+            speculation[key] = getattr(args, key)
+    return Settings(**{**base.model_dump(), "runtime": runtime, "model": model, "speculation": speculation})
 
 
 def _store(settings: Settings):
@@ -44,17 +55,46 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_config(settings: Settings, max_slots: int | None = None) -> EngineConfig:
+    """The engine's configuration from settings: cache sizes, speculation, proposer options.
+
+    The draft model is resolved (fetched if needed) only when the method is "draft".
+    """
+    from serve_app.engine.engine import EngineConfig
+
+    spec = settings.speculation
+    options: dict[str, dict[str, object]] = {
+        "ngram": {"max_ngram": spec.ngram_max, "min_ngram": spec.ngram_min}
+    }
+    if spec.method == "draft":
+        if not settings.model.draft:
+            raise ValueError("speculation method 'draft' needs a draft model (model.draft / --draft)")
+        options["draft"] = {
+            "draft_path": _store(settings).resolve(settings.model.draft),
+            "draft_name": settings.model.draft,
+            "target_name": settings.model.target,
+        }
+    return EngineConfig(
+        max_slots=max_slots or settings.cache.max_slots,
+        max_seq_len=settings.cache.max_seq_len,
+        spec_method=None if spec.method == "off" else spec.method,
+        spec_depth=spec.depth,
+        max_depth=spec.max_depth,
+        proposer_options=options,
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from serve_app.engine.engine import EngineConfig, SpecEngine
+    from serve_app.engine.engine import SpecEngine
     from serve_app.engine.sampling import SamplingParams
 
     settings = _settings(args)
     if settings.runtime.threads:
         torch.set_num_threads(settings.runtime.threads)
     path = _store(settings).resolve(settings.model.target)
-    config = EngineConfig(max_slots=1, max_seq_len=settings.cache.max_seq_len)
+    config = engine_config(settings, max_slots=1)
     engine = SpecEngine.from_path(path, config, settings.runtime.dtype, settings.runtime.device)
     params = SamplingParams(
         max_tokens=args.max_tokens or settings.sampling.max_tokens,
@@ -69,12 +109,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     first = None
     count = 0
     reason = None
+    stats = None
     for output in engine.stream(prompt_ids, params):
         first = first or time.perf_counter()
         count += len(output.new_token_ids)
         sys.stdout.write(output.new_text)
         sys.stdout.flush()
         reason = output.finish_reason
+        stats = output.spec_stats or stats
     end = time.perf_counter()
     sys.stdout.write("\n")
     decode_rate = (count - 1) / (end - first) if first and count > 1 else 0.0
@@ -83,6 +125,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{decode_rate:.2f} tok/s decode]",
         file=sys.stderr,
     )
+    if stats is not None and stats.drafted:
+        print(f"[speculation: {json.dumps(stats.as_dict())}]", file=sys.stderr)
     return 0
 
 
@@ -113,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--draft", help="draft model for --method draft (default: settings)")
+    gen.add_argument("--method", choices=["off", "draft", "ngram"], help="speculation (default: settings)")
+    gen.add_argument("--depth", type=int, help="draft tokens per step (default: settings)")
     gen.set_defaults(func=cmd_generate)
 
     models = sub.add_parser("models", help="list, fetch or locate model packs")

@@ -60,6 +60,17 @@ class CacheSettings(_Section):
     )
 
 
+class SpeculationSettings(_Section):
+    method: Literal["off", "draft", "ngram"] = Field(
+        "draft",
+        description="Proposer for requests that leave speculation to the server ('auto'); off = plain.",
+    )
+    depth: int = Field(5, ge=1, le=32, description="Draft tokens proposed per step.")
+    max_depth: int = Field(16, ge=1, le=32, description="The deepest speculation a request may ask for.")
+    ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix the n-gram proposer matches.")
+    ngram_min: int = Field(2, ge=1, le=16, description="Shortest suffix the n-gram proposer matches.")
+
+
 class StoreSettings(_Section):
     cache_dir: Path = Field(
         default_factory=default_cache_dir,
@@ -81,6 +92,9 @@ class Settings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings, description="Which models to serve.")
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings, description="Decoder runtime.")
     cache: CacheSettings = Field(default_factory=CacheSettings, description="KV cache sizing.")
+    speculation: SpeculationSettings = Field(
+        default_factory=SpeculationSettings, description="Speculative decoding defaults."
+    )
     store: StoreSettings = Field(default_factory=StoreSettings, description="Model store.")
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="Request defaults.")
 

@@ -11,18 +11,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from serve_app.engine.detokenizer import IncrementalDetokenizer
 from serve_app.engine.model import DecoderModel, read_generation_eos
-from serve_app.engine.request import Completion, Request, RequestOutput
-from serve_app.engine.sampling import SamplingParams, make_generator, process_logits, sample
+from serve_app.engine.proposers import Draft, Proposer, ProposerContext, ProposeRow, create_proposer
+from serve_app.engine.request import Completion, Request, RequestOutput, SpecOverride
+from serve_app.engine.sampling import SamplingParams, make_generator
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.stopping import StopChecker
+from serve_app.engine.verify import verify
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,10 @@ class EngineConfig:
     max_slots: int = 8
     max_seq_len: int = 4096
     max_waiting: int = 256
+    spec_method: str | None = None  # proposer used when a request says "auto"; None = plain decoding
+    spec_depth: int = 4  # draft tokens per step
+    max_depth: int = 16  # the most a request may ask for
+    proposer_options: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,17 +52,34 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@dataclass(frozen=True)
+class _Decision:
+    proposer: str | None
+    depth: int
+
+
 class SpecEngine:
-    """Continuous-batching generation over one target model."""
+    """Continuous-batching generation over one target model, with speculative proposers."""
 
     def __init__(
-        self, model: DecoderModel, tokenizer: object, config: EngineConfig, eos_ids: Sequence[int] = ()
+        self,
+        model: DecoderModel,
+        tokenizer: object,
+        config: EngineConfig,
+        eos_ids: Sequence[int] = (),
+        proposers: Mapping[str, Proposer] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.cache = model.new_cache(config.max_slots, config.max_seq_len)
-        self.scheduler = Scheduler([self.cache], config.max_waiting)
+        self.scheduler = Scheduler(self.cache, config.max_waiting)
+        self.proposers: dict[str, Proposer] = dict(proposers or {})
+        if config.spec_method is not None and config.spec_method not in self.proposers:
+            raise ValueError(
+                f"speculation method {config.spec_method!r} has no proposer loaded "
+                f"(loaded: {', '.join(self.proposers) or 'none'})"
+            )
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = frozenset(i for i in (*eos_ids, tokenizer_eos) if i is not None)
         self._ids = itertools.count()
@@ -73,9 +96,14 @@ class SpecEngine:
         """Load a model folder (as resolved by the model store) with its tokenizer."""
         from transformers import AutoTokenizer
 
+        config = config or EngineConfig()
         model = DecoderModel.from_pretrained(path, DTYPES[dtype], resolve_device(device))
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, config or EngineConfig(), read_generation_eos(path))
+        context = ProposerContext(model, tokenizer, config.max_slots, config.max_seq_len, {})
+        proposers = {}
+        for name, options in config.proposer_options.items():
+            proposers[name] = create_proposer(name, ProposerContext(**{**vars(context), "options": options}))
+        return cls(model, tokenizer, config, read_generation_eos(path), proposers)
 
     # ----------------------------------------------------------------------------- requests
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -94,7 +122,11 @@ class SpecEngine:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        speculation: SpecOverride | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises ValueError for a request that can never run."""
         prompt_ids = list(prompt_ids)
@@ -109,6 +141,12 @@ class SpecEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"maximum sequence length of {limit} tokens"
             )
+        speculation = speculation or SpecOverride()
+        if speculation.mode not in ("auto", "off") and speculation.mode not in self.proposers:
+            raise ValueError(
+                f"speculation mode {speculation.mode!r} is not available; use 'auto', 'off' or one of: "
+                f"{', '.join(self.proposers) or '(no proposers loaded)'}"
+            )
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -119,6 +157,7 @@ class SpecEngine:
             generator=None if params.greedy else make_generator(params.seed, self.model.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stopper=StopChecker.from_params(params, self.eos_ids),
+            speculation=speculation,
         )
         self.scheduler.add(request)  # may raise QueueFullError
         self._requests[request_id] = request
@@ -129,7 +168,7 @@ class SpecEngine:
         request = self._requests.pop(request_id, None)
         if request is not None and not request.finished:
             request.aborted = True
-            self.scheduler.finish(request)
+            self._release(request)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -137,69 +176,127 @@ class SpecEngine:
     # ----------------------------------------------------------------------------- stepping
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One engine step: prefill the newly admitted, decode one token for the others."""
+        """One engine step: prefill the newly admitted, then one verify forward for the others."""
         plan = self.scheduler.plan()
         outputs: list[RequestOutput] = []
         for request in plan.prefill:
-            logits = self._prefill(request)
-            outputs.append(self._emit(request, self._sample([request], logits)[0]))
+            outputs.append(self._prefill(request))
         if plan.decode:
-            logits = self._decode(plan.decode)
-            for request, token in zip(plan.decode, self._sample(plan.decode, logits), strict=True):
-                outputs.append(self._emit(request, token))
+            outputs.extend(self._decode(plan.decode))
         return outputs
 
-    def _prefill(self, request: Request) -> torch.Tensor:
+    def _prefill(self, request: Request) -> RequestOutput:
         tokens = torch.tensor([request.prompt_ids], device=self.model.device)  # [1, P]
         hidden = self.model.forward(tokens, self.cache, [request.slot])
         self.cache.set_length(request.slot, len(request.prompt_ids))
-        return self.model.logits(hidden[:, -1])  # [1, V]
+        logits = self.model.logits(hidden[:, -1:])  # [1, 1, V]
+        result = verify(logits, [[]], [None], [request.params], [request.generator])
+        return self._emit(request, result.tokens[0])
 
-    def _decode(self, requests: list[Request]) -> torch.Tensor:
-        tokens = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.model.device)  # [B, 1]
+    def _decide(self, request: Request) -> _Decision:
+        """This step's (proposer, depth) for a request: config, the request's override, limits."""
+        mode = request.speculation.mode
+        name = None if mode == "off" else (self.config.spec_method if mode == "auto" else mode)
+        if name is None:
+            return _Decision(None, 0)
+        depth = min(self.config.spec_depth, self.config.max_depth)
+        if request.speculation.max_depth is not None:
+            depth = min(depth, request.speculation.max_depth)
+        # Never draft past max_tokens (the target adds one token of its own) or past the cache.
+        depth = min(depth, request.tokens_left - 1, self.config.max_seq_len - request.num_tokens)
+        return _Decision(name, depth) if depth > 0 else _Decision(None, 0)
+
+    def _draft(self, requests: list[Request], decisions: list[_Decision]) -> list[Draft]:
+        drafts = [Draft(tokens=[]) for _ in requests]
+        groups: dict[str, list[int]] = {}
+        for i, decision in enumerate(decisions):
+            if decision.proposer is not None:
+                groups.setdefault(decision.proposer, []).append(i)
+        for name, indices in groups.items():
+            proposer = self.proposers[name]
+            rows = []
+            for i in indices:
+                request = requests[i]
+                if name not in request.proposers_admitted:
+                    proposer.admit(request.slot, request.prompt_ids + request.output_ids[:-1])
+                    request.proposers_admitted.add(name)
+                rows.append(ProposeRow(request.slot, request.prompt_ids + request.output_ids,
+                                       decisions[i].depth, request.params, request.generator))  # fmt: skip
+            for i, draft in zip(indices, proposer.propose(rows), strict=True):
+                drafts[i] = draft
+        return drafts
+
+    def _decode(self, requests: list[Request]) -> list[RequestOutput]:
+        decisions = [self._decide(r) for r in requests]
+        drafts = self._draft(requests, decisions)
+        width = 1 + max(len(d.tokens) for d in drafts)
+        tokens = torch.zeros(len(requests), width, dtype=torch.long)  # [B, 1 + K], right-padded
+        for b, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
+            row = [request.output_ids[-1], *draft.tokens]
+            tokens[b, : len(row)] = torch.tensor(row)
         slots = [r.slot for r in requests]
-        hidden = self.model.forward(tokens, self.cache, slots)
-        for slot in slots:
-            self.cache.set_length(slot, self.cache.lengths[slot] + 1)
-        return self.model.logits(hidden[:, -1])  # [B, V]
+        hidden = self.model.forward(tokens.to(self.model.device), self.cache, slots)  # [B, 1 + K, H]
+        logits = self.model.logits(hidden)  # [B, 1 + K, V]
+        result = verify(logits, [d.tokens for d in drafts], [d.probs for d in drafts],
+                        [r.params for r in requests], [r.generator for r in requests])  # fmt: skip
+        outputs = []
+        for request, decision, draft, accepted, emitted in zip(
+            requests, decisions, drafts, result.num_accepted, result.tokens, strict=True
+        ):
+            # Keep the fed token and the accepted drafts; the rest of the row is garbage now.
+            self.cache.set_length(request.slot, self.cache.lengths[request.slot] + 1 + accepted)
+            if decision.proposer is not None:
+                self.proposers[decision.proposer].commit(request.slot, accepted)
+            request.spec_stats.record(decision.proposer, len(draft.tokens), accepted)
+            outputs.append(self._emit(request, emitted))
+        return outputs
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
-        # logits: [B, V] float32, one row per request.
-        if all(r.generator is None for r in requests):
-            return logits.argmax(dim=-1).tolist()  # greedy: skip building distributions
-        device = logits.device
-        temperature = torch.tensor([r.params.temperature for r in requests], device=device)
-        top_k = torch.tensor([r.params.top_k for r in requests], device=device)
-        top_p = torch.tensor([r.params.top_p for r in requests], device=device)
-        probs = process_logits(logits, temperature, top_k, top_p)  # [B, V]
-        return sample(probs, [r.generator for r in requests]).tolist()
+    def _emit(self, request: Request, tokens: list[int]) -> RequestOutput:
+        """Append tokens one at a time through the stop checks; finish the request if it is done.
 
-    def _emit(self, request: Request, token: int) -> RequestOutput:
-        """Append one token, run the stop checks, finish the request if it is done."""
+        Tokens after the one that finishes the request are dropped, so EOS, a stop string or
+        max_tokens inside an accepted run cut the output exactly where plain decoding would.
+        """
         now = time.perf_counter()
         if request.first_token_time is None:
             request.first_token_time = now
-        request.output_ids.append(token)
-        text = request.stopper.feed(token, request.detokenizer.push([token])).text
-        if request.stopper.finished:
-            text += request.stopper.flush(request.detokenizer.flush())
-            request.finish_time = now
-            self.scheduler.finish(request)
-            self._requests.pop(request.request_id, None)
+        kept: list[int] = []
+        text = ""
+        for token in tokens:
+            kept.append(token)
+            request.output_ids.append(token)
+            text += request.stopper.feed(token, request.detokenizer.push([token])).text
+            if request.stopper.finished:
+                text += request.stopper.flush(request.detokenizer.flush())
+                request.finish_time = now
+                self._release(request)
+                break
         return RequestOutput(
             request_id=request.request_id,
-            new_token_ids=[token],
+            new_token_ids=kept,
             new_text=text,
             finished=request.finished,
             finish_reason=request.finish_reason if request.finished else None,
             prompt_tokens=len(request.prompt_ids),
             completion_tokens=len(request.output_ids),
+            spec_stats=request.spec_stats if request.finished else None,
         )
 
+    def _release(self, request: Request) -> None:
+        """Free everything the request holds: its KV slot and any proposer state."""
+        slot = request.slot
+        self.scheduler.finish(request)
+        for name in request.proposers_admitted:
+            self.proposers[name].release(slot)
+        request.proposers_admitted.clear()
+        self._requests.pop(request.request_id, None)
+
     # ----------------------------------------------------------------------------- helpers
-    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, speculation: SpecOverride | None = None
+    ) -> Iterator[RequestOutput]:
         """Run one request to completion (alongside anything already queued), yielding its outputs."""
-        request_id = self.add_request(prompt_ids, params)
+        request_id = self.add_request(prompt_ids, params, speculation=speculation)
         try:
             while True:
                 for output in self.step():
@@ -211,11 +308,18 @@ class SpecEngine:
             self.abort(request_id)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        speculation: SpecOverride | Sequence[SpecOverride] | None = None,
     ) -> list[Completion]:
         """Run several requests as one continuous batch; results in prompt order."""
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        specs = list(speculation) if isinstance(speculation, Sequence) else [speculation] * len(prompts)
+        ids = [
+            self.add_request(p, sp, speculation=so)
+            for p, sp, so in zip(prompts, params_list, specs, strict=True)
+        ]
         requests = {i: self._requests[i] for i in ids}
         texts: dict[str, list[str]] = {i: [] for i in ids}
         while any(not r.finished for r in requests.values()):
@@ -231,6 +335,7 @@ class SpecEngine:
                 finish_reason=r.finish_reason,
                 time_to_first_token=(r.first_token_time - r.arrival_time) if r.first_token_time else None,
                 duration=(r.finish_time or time.perf_counter()) - r.arrival_time,
+                spec_stats=r.spec_stats,
             )
             for i, r in requests.items()
         ]

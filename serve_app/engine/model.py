@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from serve_app.engine.kv_cache import CacheBatch, KVCache
+from serve_app.engine.weights import Int8Weight, Weight, linear, prepack, weight_nbytes
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -164,48 +165,44 @@ def _grouped_attention(
     return torch.matmul(probs, values).view(bsz, heads, steps, dim)  # [B, H, T, D]
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """Reorder a bf16 CPU weight into oneDNN's blocked layout (matrix-vector 1.5-2x faster here).
+@dataclass(frozen=True)
+class DraftOptions:
+    """Ways to make a model cheaper as a proposer (never used for a target).
 
-    Only for bf16 on CPU; the product is the same oneDNN kernel's, so results are unchanged.
+    ``int8``: layer matrices as int8 weight-only (half the bytes). ``head_ids``: the output head
+    keeps only these rows (e.g. the most frequent tokens, as FR-Spec does); logits of all other
+    tokens are -inf, so the model never proposes them and q is 0 there.
     """
-    on_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-    if not (on_cpu_bf16 and torch.backends.mkldnn.is_available()):
-        return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for plain or prepacked weights."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    int8: bool = False
+    head_ids: tuple[int, ...] | None = None
 
 
 class DecoderLayer:
     """One pre-norm transformer block; plain tensors, no nn.Module call overhead."""
 
-    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], int8: bool = False) -> None:
+        pack = Int8Weight.quantize if int8 else prepack
         self.cfg = cfg
         self.attn_norm = weights["input_layernorm.weight"]
         self.mlp_norm = weights["post_attention_layernorm.weight"]
-        self.qkv = prepack(torch.cat([weights[f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+        self.qkv = pack(torch.cat([weights[f"self_attn.{n}_proj.weight"] for n in "qkv"]))
         self.qkv_bias = (
             torch.cat([weights[f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.qkv_bias else None
         )
-        self.o = prepack(weights["self_attn.o_proj.weight"])
+        self.o = pack(weights["self_attn.o_proj.weight"])
         self.o_bias = weights.get("self_attn.o_proj.bias") if cfg.o_bias else None
-        self.gate_up = prepack(torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]))
+        self.gate_up = pack(torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]))
         self.gate_up_bias = (
             torch.cat([weights["mlp.gate_proj.bias"], weights["mlp.up_proj.bias"]]) if cfg.mlp_bias else None
         )
-        self.down = prepack(weights["mlp.down_proj.weight"])
+        self.down = pack(weights["mlp.down_proj.weight"])
         self.down_bias = weights.get("mlp.down_proj.bias") if cfg.mlp_bias else None
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
-    def tensors(self) -> Iterator[torch.Tensor]:
+    def tensors(self) -> Iterator[Weight]:
         for t in (self.attn_norm, self.mlp_norm, self.qkv, self.qkv_bias, self.o, self.o_bias,
                   self.gate_up, self.gate_up_bias, self.down, self.down_bias):  # fmt: skip
             if t is not None:
@@ -250,16 +247,28 @@ class DecoderLayer:
 class DecoderModel:
     """A Llama-family decoder with its weights; the KV cache lives outside (``new_cache``)."""
 
-    def __init__(self, cfg: DecoderConfig, hf_config: object, weights: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        hf_config: object,
+        weights: Mapping[str, torch.Tensor],
+        draft: DraftOptions | None = None,
+    ) -> None:
+        draft = draft or DraftOptions()
         self.cfg = cfg
         self.hf_config = hf_config
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
         head = weights.get("lm_head.weight")
-        # A tied head shares the embedding table, which must stay a plain tensor for lookups.
-        self.lm_head = self.embed if cfg.tie_word_embeddings or head is None else prepack(head)
+        head = self.embed if cfg.tie_word_embeddings or head is None else head
+        self.head_ids: torch.Tensor | None = None  # [N] the vocabulary rows the head keeps
+        if draft.head_ids is not None:
+            self.head_ids = torch.tensor(sorted(set(draft.head_ids)), device=head.device)
+            head = head.index_select(0, self.head_ids)
+        # A tied, unrestricted head shares the embedding table, which must stay plain for lookups.
+        self.lm_head = head if head is self.embed else prepack(head)
         self.layers = [
-            DecoderLayer(cfg, _sub(weights, f"model.layers.{i}.")) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, _sub(weights, f"model.layers.{i}."), draft.int8) for i in range(cfg.num_layers)
         ]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
@@ -269,7 +278,11 @@ class DecoderModel:
     # ----------------------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        draft: DraftOptions | None = None,
     ) -> DecoderModel:
         """Load a Hugging Face folder (config.json + *.safetensors)."""
         from safetensors import safe_open
@@ -286,7 +299,7 @@ class DecoderModel:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-        return cls(cfg, hf_config, weights)
+        return cls(cfg, hf_config, weights, draft)
 
     @classmethod
     def from_hf_model(cls, hf_model: torch.nn.Module, dtype: torch.dtype | None = None) -> DecoderModel:
@@ -302,7 +315,7 @@ class DecoderModel:
         return KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
                        self.dtype, self.device)  # fmt: skip
 
-    def tensors(self) -> Iterator[torch.Tensor]:
+    def tensors(self) -> Iterator[Weight]:
         yield self.embed
         yield self.norm
         if self.lm_head is not self.embed:
@@ -312,7 +325,7 @@ class DecoderModel:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return sum(weight_nbytes(t) for t in self.tensors())
 
     # ----------------------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -346,8 +359,12 @@ class DecoderModel:
     __call__ = forward
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Output head: ``[..., hidden] -> [..., vocab]`` float32."""
-        return linear(hidden, self.lm_head).float()
+        """Output head: ``[..., hidden] -> [..., vocab]`` float32 (-inf outside a restricted head)."""
+        logits = linear(hidden, self.lm_head).float()
+        if self.head_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.head_ids, logits)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1

@@ -13,6 +13,71 @@ from serve_app.engine.sampling import SamplingParams
 from serve_app.engine.stopping import StopChecker
 
 
+@dataclass(frozen=True)
+class SpecOverride:
+    """A request's own say on speculation: ``mode`` is "auto", "off" or a proposer name."""
+
+    mode: str = "auto"
+    max_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.mode:
+            raise ValueError("speculation.mode must be 'auto', 'off' or a proposer name")
+        if self.max_depth is not None and self.max_depth < 0:
+            raise ValueError("speculation.max_depth must be >= 0")
+
+
+@dataclass
+class SpecStats:
+    """What speculation did for one request."""
+
+    steps: int = 0  # decode steps (each emits >= 1 token)
+    spec_steps: int = 0  # decode steps that verified a non-empty draft
+    drafted: int = 0  # draft tokens proposed and verified
+    accepted: int = 0  # draft tokens the target kept
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: drafts accepted at depth j+1
+    drafted_per_position: list[int] = field(default_factory=list)  # [j]: drafts verified at depth j+1
+    proposer: str | None = None  # the proposer of the most recent speculative step
+    steps_all_accepted: int = 0  # speculative steps whose whole draft was kept (+ a bonus token)
+    steps_none_accepted: int = 0  # speculative steps whose first draft token was rejected
+
+    def record(self, proposer: str | None, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted:
+            self.spec_steps += 1
+            self.steps_all_accepted += accepted == drafted
+            self.steps_none_accepted += accepted == 0
+        if proposer is not None:
+            self.proposer = proposer
+        for counts, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for j in range(n):
+                counts[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per speculative step (accepted drafts + the target's own token)."""
+        return (self.accepted + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "proposer": self.proposer,
+            "steps": self.steps,
+            "spec_steps": self.spec_steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, no KV slot yet
     RUNNING = "running"  # owns a slot; prefilled
@@ -33,6 +98,9 @@ class Request:
     generator: torch.Generator | None  # None for greedy
     detokenizer: IncrementalDetokenizer
     stopper: StopChecker
+    speculation: SpecOverride = field(default_factory=SpecOverride)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
+    proposers_admitted: set[str] = field(default_factory=set)  # proposers holding state for it
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
@@ -71,6 +139,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    spec_stats: SpecStats | None = None  # set on the final output
 
 
 @dataclass(frozen=True)
@@ -84,3 +153,4 @@ class Completion:
     finish_reason: str | None
     time_to_first_token: float | None
     duration: float
+    spec_stats: SpecStats | None = None

@@ -28,10 +28,10 @@ class StepPlan:
 class Scheduler:
     """FIFO admission into a fixed number of KV slots."""
 
-    def __init__(self, caches: list[KVCache], max_waiting: int) -> None:
-        # Every model that keeps per-request KV (target, and a draft model later) has a cache with
-        # the same number of slots; a request holds the same slot index in all of them.
-        self.caches = caches
+    def __init__(self, cache: KVCache, max_waiting: int) -> None:
+        # The target's cache decides admission; proposers with caches of their own take the same
+        # slot index when the engine admits the request to them.
+        self.cache = cache
         self.max_waiting = max_waiting
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -49,33 +49,27 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         if len(self.waiting) >= self.max_waiting:
-            raise QueueFullError(
-                f"the waiting queue is full ({self.max_waiting} requests); retry later"
-            )
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
         self.waiting.append(request)
 
     def plan(self) -> StepPlan:
         """Admit what fits, then return this step's work."""
         decode = list(self.running)
         prefill: list[Request] = []
-        while self.waiting and self.caches[0].num_free > 0:
+        while self.waiting and self.cache.num_free > 0:
             request = self.waiting.popleft()
-            slot = self.caches[0].allocate()
-            for cache in self.caches[1:]:
-                cache.allocate(slot)
-            request.slot = slot
+            request.slot = self.cache.allocate()
             request.status = RequestStatus.RUNNING
             prefill.append(request)
             self.running.append(request)
         return StepPlan(prefill=prefill, decode=decode)
 
     def finish(self, request: Request) -> None:
-        """Release a request's slot in every cache (called once, when it finishes or aborts)."""
+        """Release a request's slot (called once, when it finishes or aborts)."""
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            for cache in self.caches:
-                cache.free(request.slot)
+            self.cache.free(request.slot)
             request.slot = None
         request.status = RequestStatus.FINISHED

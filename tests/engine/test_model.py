@@ -16,9 +16,16 @@ ARCHS = {
     ),
     "llama3-rope": (
         LlamaConfig,
-        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 64}},
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
     ),
     "qwen2": (Qwen2Config, {}),
     "mistral-window": (MistralConfig, {"sliding_window": 5}),

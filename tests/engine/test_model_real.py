@@ -77,5 +77,5 @@ def test_greedy_bf16_diverges_only_at_near_ties(smollm2_path, tokenizer) -> None
             logits = hf(torch.tensor([prompt + ref_ids[:first]])).logits[0, -1].float()
         top2 = logits.topk(2).values
         # bf16 carries 8 bits of mantissa: logits around 20 are only resolved to ~0.1.
-        noise = 2 ** -7 * max(top2[0].abs().item(), 1.0) * 4
+        noise = 2**-7 * max(top2[0].abs().item(), 1.0) * 4
         assert (top2[0] - top2[1]).item() <= noise, (text, first, top2)

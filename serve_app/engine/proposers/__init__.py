@@ -1,0 +1,26 @@
+"""Proposers: who drafts the tokens the target verifies. Registered by name; see ``registry``.
+
+Importing this package registers the built-in proposers (each module registers itself).
+"""
+
+from serve_app.engine.proposers import draft_model as _draft_model  # noqa: F401  (registers "draft")
+from serve_app.engine.proposers import ngram as _ngram  # noqa: F401  (registers "ngram")
+from serve_app.engine.proposers.base import Draft, Proposer, ProposeRow
+from serve_app.engine.proposers.registry import (
+    ProposerContext,
+    ProposerFactory,
+    create_proposer,
+    register_proposer,
+    registered_proposers,
+)
+
+__all__ = [
+    "Draft",
+    "ProposeRow",
+    "Proposer",
+    "ProposerContext",
+    "ProposerFactory",
+    "create_proposer",
+    "register_proposer",
+    "registered_proposers",
+]

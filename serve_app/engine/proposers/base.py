@@ -1,0 +1,59 @@
+"""The proposer protocol: who guesses the next tokens, and how it stays in step with the target.
+
+A proposer drafts up to ``depth`` tokens per row; the target verifies them all in one forward
+(``serve_app.engine.verify``) and keeps the longest prefix it agrees with plus one token of its
+own. Afterwards the engine calls ``commit(slot, num_accepted)`` so a stateful proposer (a draft
+model with its own KV cache) can drop what was rejected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from serve_app.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ProposeRow:
+    """One running request as a proposer sees it."""
+
+    slot: int  # the request's KV slot (the same index in every model's cache)
+    token_ids: list[int]  # prompt + output so far; the last token is not yet in the target's cache
+    depth: int  # how many tokens to draft (>= 1)
+    params: SamplingParams  # the request's sampling settings (a sampling draft applies them too)
+    generator: torch.Generator | None  # the request's generator; None = greedy request
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposal for one row.
+
+    ``tokens`` may be shorter than the depth asked for (an n-gram proposer with no match proposes
+    nothing). ``probs`` is q, the distribution each token was really drawn from (``[len, vocab]``
+    float32), or None when the proposal is deterministic (q is then one-hot at each token).
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What every proposer implements. Registered by name in ``proposers.registry``."""
+
+    name: str
+
+    def admit(self, slot: int, prompt_ids: list[int]) -> None:
+        """A request took ``slot``; prepare any per-request state (e.g. prefill a draft cache)."""
+
+    def propose(self, rows: list[ProposeRow]) -> list[Draft]:
+        """Draft tokens for each row (batched); one ``Draft`` per row, in order."""
+
+    def commit(self, slot: int, num_accepted: int) -> None:
+        """The target accepted ``num_accepted`` of the tokens last proposed for ``slot``."""
+
+    def release(self, slot: int) -> None:
+        """The request in ``slot`` finished; forget it."""

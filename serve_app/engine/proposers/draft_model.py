@@ -1,0 +1,202 @@
+"""Draft-model proposer: a smaller model of the target's family drafts tokens autoregressively.
+
+The draft keeps its own slot KV cache, with the same slot index as the target's. Its cache holds a
+prefix of the request's verified sequence; before drafting, it catches up on the tokens it has not
+seen (the token the target emitted last step, and any accepted draft it never fed), all rows in one
+ragged forward that also yields the first draft token. Each further draft token is one batched
+single-token forward. The last draft token is never fed, so after the target accepts ``a`` of ``k``
+drafts the draft's valid cache is ``sequence + min(a, k - 1)`` tokens: ``commit`` sets that length
+(rollback = not moving the length), and the next catch-up feeds the rest.
+
+A greedy request drafts the draft's argmax (q is one-hot). A sampling request drafts from the
+draft's own distribution after the request's temperature / top-k / top-p, and records q so that
+verification accepts with min(1, p/q): the output stays distributed as the target's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serve_app.engine.model import DecoderModel, DraftOptions
+from serve_app.engine.proposers.base import Draft, ProposeRow
+from serve_app.engine.proposers.registry import ProposerContext, register_proposer
+from serve_app.engine.sampling import process_logits, sample
+
+log = logging.getLogger(__name__)
+
+# Above this fraction of the target's parameters a draft step is too dear to pay for itself.
+LARGE_DRAFT_FRACTION = 0.4
+
+
+class DraftMismatchError(ValueError):
+    """The draft cannot propose for this target (different tokenizer or vocabulary)."""
+
+
+@dataclass
+class _SlotState:
+    tokens: list[int]  # ids whose K/V are in the draft cache, in order (len == cache length)
+    base: int = 0  # verified sequence length when the last proposal was made
+    fed_drafts: int = 0  # draft tokens of the last proposal that were fed (cached)
+
+
+class DraftModelProposer:
+    """Drafts with a second ``DecoderModel`` that shares the target's tokenizer."""
+
+    name = "draft"
+
+    def __init__(self, model: DecoderModel, target_vocab_size: int, max_slots: int, max_seq_len: int) -> None:
+        self.model = model
+        self.target_vocab_size = target_vocab_size
+        self.cache = model.new_cache(max_slots, max_seq_len)
+        self._slots: dict[int, _SlotState] = {}
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def admit(self, slot: int, prompt_ids: list[int]) -> None:
+        """Take the same slot in the draft cache and prefill the prompt."""
+        self.cache.allocate(slot)
+        self._slots[slot] = _SlotState(tokens=[])
+        self._feed([slot], [list(prompt_ids)])
+
+    def release(self, slot: int) -> None:
+        if self._slots.pop(slot, None) is not None:
+            self.cache.free(slot)
+
+    def commit(self, slot: int, num_accepted: int) -> None:
+        state = self._slots[slot]
+        keep = state.base + min(num_accepted, state.fed_drafts)
+        del state.tokens[keep:]
+        self.cache.set_length(slot, keep)
+        state.fed_drafts = 0
+
+    # ----------------------------------------------------------------------------- drafting
+    @torch.inference_mode()
+    def propose(self, rows: list[ProposeRow]) -> list[Draft]:
+        if not rows:
+            return []
+        for row in rows:
+            state = self._slots[row.slot]
+            if state.tokens != row.token_ids[: len(state.tokens)]:
+                raise RuntimeError(f"draft cache of slot {row.slot} is out of step with the request")
+            state.base = len(row.token_ids)
+        # Catch up (ragged) and draft the first token in one forward.
+        catch_up = [row.token_ids[len(self._slots[row.slot].tokens) :] for row in rows]
+        logits = self._feed([row.slot for row in rows], catch_up)  # [B, V]
+        tokens: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        active = list(range(len(rows)))
+        while True:
+            chosen = self._choose([rows[i] for i in active], logits)
+            for i, (token, q) in zip(active, chosen, strict=True):
+                tokens[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+            active = [i for i in active if len(tokens[i]) < rows[i].depth]
+            if not active:
+                break
+            for i in active:
+                self._slots[rows[i].slot].fed_drafts += 1
+            logits = self._feed([rows[i].slot for i in active], [[tokens[i][-1]] for i in active])
+        return [
+            Draft(tokens=t, probs=torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)
+        ]
+
+    def _feed(self, slots: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """Feed each slot its chunk (right-padded batch); return logits after each chunk: [B, V]."""
+        width = max(len(c) for c in chunks)
+        batch = torch.zeros(len(chunks), width, dtype=torch.long, device=self.model.device)  # [B, T]
+        for b, chunk in enumerate(chunks):
+            batch[b, : len(chunk)] = torch.tensor(chunk)
+        hidden = self.model.forward(batch, self.cache, slots)  # [B, T, hidden]
+        last = torch.tensor([len(c) - 1 for c in chunks], device=hidden.device)
+        hidden = hidden[torch.arange(len(chunks), device=hidden.device), last]  # [B, hidden]
+        for slot, chunk in zip(slots, chunks, strict=True):
+            state = self._slots[slot]
+            state.tokens.extend(chunk)
+            self.cache.set_length(slot, len(state.tokens))
+        logits = self.model.logits(hidden)  # [B, V_draft]
+        return self._to_target_vocab(logits)
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary: extra draft ids dropped, missing ones -inf."""
+        vocab = self.target_vocab_size
+        if logits.shape[-1] == vocab:
+            return logits
+        if logits.shape[-1] > vocab:
+            return logits[:, :vocab]
+        pad = logits.new_full((logits.shape[0], vocab - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+    def _choose(self, rows: list[ProposeRow], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """Pick each row's next draft token: argmax (greedy) or a sample from q (recorded)."""
+        if all(row.generator is None for row in rows):
+            return [(t, None) for t in logits.argmax(dim=-1).tolist()]
+        device = logits.device
+        q = process_logits(
+            logits,
+            torch.tensor([r.params.temperature for r in rows], device=device),
+            torch.tensor([r.params.top_k for r in rows], device=device),
+            torch.tensor([r.params.top_p for r in rows], device=device),
+        )  # [B, V]
+        picked = sample(q, [r.generator for r in rows]).tolist()
+        return [
+            (t, None if r.generator is None else q[b])
+            for b, (t, r) in enumerate(zip(picked, rows, strict=True))
+        ]
+
+
+def check_compatible(
+    target_tokenizer: object, draft_tokenizer: object, target_name: str, draft_name: str
+) -> None:
+    """Same token ids for the same strings, or a clear error naming both models."""
+    target_vocab = target_tokenizer.get_vocab()
+    draft_vocab = draft_tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        only_target = len(set(target_vocab.items()) - set(draft_vocab.items()))
+        only_draft = len(set(draft_vocab.items()) - set(target_vocab.items()))
+        raise DraftMismatchError(
+            f"draft model {draft_name} does not share the tokenizer of target {target_name}: "
+            f"{only_target} token entries only in the target's, {only_draft} only in the draft's"
+        )
+
+
+def frequent_token_ids(tokenizer: object, count: int) -> tuple[int, ...]:
+    """The ``count`` most frequent tokens by a BPE vocabulary's own ranking, plus special tokens.
+
+    Byte-level BPE assigns ids in merge order, and merges are learnt most-frequent-first, so low
+    ids are the frequent tokens; special tokens (EOS, chat markers) are always kept.
+    """
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    special |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    return tuple(sorted(set(range(count)) | special))
+
+
+@register_proposer("draft", "a smaller model of the same family drafts tokens autoregressively")
+def build_draft_proposer(context: ProposerContext) -> DraftModelProposer:
+    """Options: ``draft_path`` (a model folder), ``draft_name`` / ``target_name`` (for messages),
+    ``dtype``, ``int8`` (int8 weight-only draft layers), ``head_tokens`` (keep only this many of
+    the most frequent tokens in the draft's output head; 0 = all)."""
+    from transformers import AutoTokenizer
+
+    path = Path(str(context.options["draft_path"]))
+    name = str(context.options.get("draft_name", path))
+    target = context.target
+    dtype = context.options.get("dtype", target.dtype)
+    check_compatible(context.tokenizer, AutoTokenizer.from_pretrained(path), str(context.options.get(
+        "target_name", "the target")), name)  # fmt: skip
+    head_tokens = int(context.options.get("head_tokens", 0) or 0)
+    options = DraftOptions(
+        int8=bool(context.options.get("int8", False)),
+        head_ids=frequent_token_ids(context.tokenizer, head_tokens) if head_tokens else None,
+    )
+    model = DecoderModel.from_pretrained(path, dtype=dtype, device=target.device, draft=options)
+    fraction = model.cfg.num_parameters / target.cfg.num_parameters
+    if fraction > LARGE_DRAFT_FRACTION:
+        log.warning(
+            "draft model %s has %.0f%% of the target's parameters; a draft step this dear rarely pays",
+            name, 100 * fraction,
+        )  # fmt: skip
+    return DraftModelProposer(model, target.cfg.vocab_size, context.max_slots, context.max_seq_len)

@@ -1,0 +1,83 @@
+"""One registry of proposers, by name.
+
+A proposer module registers a factory with ``@register_proposer(name, description)``; the engine
+builds one with ``create_proposer(name, context)``. Nothing else in the code base switches on
+proposer types: adding a proposer is one new module plus one import in ``proposers/__init__.py``.
+
+    @register_proposer("ngram", "prompt lookup: copy what followed the last match of the suffix")
+    def _build(context: ProposerContext) -> Proposer:
+        return NgramProposer.from_options(context.options)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from serve_app.engine.proposers.base import Proposer
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a factory may use to build a proposer."""
+
+    target: object  # the target model (serve_app.engine.model.DecoderModel)
+    tokenizer: object  # the target's tokenizer
+    max_slots: int  # KV slots of the target cache (a stateful proposer sizes its own to match)
+    max_seq_len: int  # the longest sequence a slot holds
+    # Proposer-specific settings (e.g. {"draft_path": ...} or {"max_ngram": 4}); read-only.
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+
+
+ProposerFactory = Callable[[ProposerContext], Proposer]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    factory: ProposerFactory
+    description: str
+
+
+# The registry itself; mutated only by ``register_proposer``.
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_proposer(name: str, description: str) -> Callable[[ProposerFactory], ProposerFactory]:
+    """Decorator: register ``factory`` under ``name``. A name can be registered once (ValueError)."""
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ValueError(f"proposer name must be a non-empty string without surrounding spaces: {name!r}")
+    if not isinstance(description, str) or not description.strip():
+        raise ValueError(f"proposer {name!r} needs a one-line description")
+
+    def decorator(factory: ProposerFactory) -> ProposerFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"proposer {name!r} is already registered")
+        if not callable(factory):
+            raise TypeError(f"proposer {name!r}: factory must be callable, got {factory!r}")
+        _REGISTRY[name] = _Entry(factory=factory, description=" ".join(description.split()))
+        return factory
+
+    return decorator
+
+
+def create_proposer(name: str, context: ProposerContext) -> Proposer:
+    """Build the proposer registered as ``name``; an unknown name is a ValueError listing the known."""
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        known = ", ".join(sorted(_REGISTRY)) or "(none)"
+        raise ValueError(f"unknown proposer {name!r}; registered proposers: {known}")
+    proposer = entry.factory(context)
+    if not isinstance(proposer, Proposer):
+        raise TypeError(
+            f"the factory for proposer {name!r} returned {type(proposer).__name__}, not a Proposer"
+        )
+    return proposer
+
+
+def registered_proposers() -> dict[str, str]:
+    """Name -> one-line description of every registered proposer (a copy, sorted by name)."""
+    return {name: _REGISTRY[name].description for name in sorted(_REGISTRY)}
