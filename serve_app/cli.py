@@ -73,6 +73,9 @@ def engine_config(settings: Settings, max_slots: int | None = None) -> EngineCon
             "draft_path": _store(settings).resolve(settings.model.draft),
             "draft_name": settings.model.draft,
             "target_name": settings.model.target,
+            "int8": spec.draft_int8,
+            "head_tokens": spec.draft_head_tokens,
+            "min_confidence": spec.draft_min_confidence,
         }
     return EngineConfig(
         max_slots=max_slots or settings.cache.max_slots,

@@ -65,8 +65,22 @@ class SpeculationSettings(_Section):
         "draft",
         description="Proposer for requests that leave speculation to the server ('auto'); off = plain.",
     )
-    depth: int = Field(5, ge=1, le=32, description="Draft tokens proposed per step.")
+    depth: int = Field(6, ge=1, le=32, description="Draft tokens proposed per step.")
     max_depth: int = Field(16, ge=1, le=32, description="The deepest speculation a request may ask for.")
+    draft_int8: bool = Field(
+        True, description="Draft model layers as int8 weight-only (half the bytes per draft step)."
+    )
+    draft_head_tokens: int = Field(
+        32768,
+        ge=0,
+        description="Keep only this many most frequent tokens in the draft's output head (0 = all).",
+    )
+    draft_min_confidence: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="A greedy draft stops early once its top token's probability falls below this.",
+    )
     ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix the n-gram proposer matches.")
     ngram_min: int = Field(2, ge=1, le=16, description="Shortest suffix the n-gram proposer matches.")
 

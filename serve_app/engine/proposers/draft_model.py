@@ -48,8 +48,19 @@ class DraftModelProposer:
 
     name = "draft"
 
-    def __init__(self, model: DecoderModel, target_vocab_size: int, max_slots: int, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        target_vocab_size: int,
+        max_slots: int,
+        max_seq_len: int,
+        min_confidence: float = 0.0,
+    ) -> None:
         self.model = model
+        # Stop a row's draft early when the draft's own top probability falls below this: a token
+        # the draft is unsure of is likely rejected, and every drafted token costs a draft step.
+        # Any stopping rule that looks only at the draft's own distribution keeps verification exact.
+        self.min_confidence = min_confidence
         self.target_vocab_size = target_vocab_size
         self.cache = model.new_cache(max_slots, max_seq_len)
         self._slots: dict[int, _SlotState] = {}
@@ -90,11 +101,14 @@ class DraftModelProposer:
         active = list(range(len(rows)))
         while True:
             chosen = self._choose([rows[i] for i in active], logits)
-            for i, (token, q) in zip(active, chosen, strict=True):
+            unsure = set()
+            for i, (token, q, confidence) in zip(active, chosen, strict=True):
                 tokens[i].append(token)
                 if q is not None:
                     probs[i].append(q)
-            active = [i for i in active if len(tokens[i]) < rows[i].depth]
+                if confidence < self.min_confidence:
+                    unsure.add(i)
+            active = [i for i in active if len(tokens[i]) < rows[i].depth and i not in unsure]
             if not active:
                 break
             for i in active:
@@ -130,10 +144,16 @@ class DraftModelProposer:
         pad = logits.new_full((logits.shape[0], vocab - logits.shape[-1]), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
-    def _choose(self, rows: list[ProposeRow], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
-        """Pick each row's next draft token: argmax (greedy) or a sample from q (recorded)."""
+    def _choose(
+        self, rows: list[ProposeRow], logits: torch.Tensor
+    ) -> list[tuple[int, torch.Tensor | None, float]]:
+        """Each row's next draft token (argmax if greedy, else a sample from q, which is recorded)
+        and the draft's confidence (its top probability)."""
         if all(row.generator is None for row in rows):
-            return [(t, None) for t in logits.argmax(dim=-1).tolist()]
+            if self.min_confidence > 0:
+                top, picked = logits.softmax(dim=-1).max(dim=-1)  # [B], [B]
+                return list(zip(picked.tolist(), [None] * len(rows), top.tolist(), strict=True))
+            return [(t, None, 1.0) for t in logits.argmax(dim=-1).tolist()]
         device = logits.device
         q = process_logits(
             logits,
@@ -178,7 +198,7 @@ def frequent_token_ids(tokenizer: object, count: int) -> tuple[int, ...]:
 def build_draft_proposer(context: ProposerContext) -> DraftModelProposer:
     """Options: ``draft_path`` (a model folder), ``draft_name`` / ``target_name`` (for messages),
     ``dtype``, ``int8`` (int8 weight-only draft layers), ``head_tokens`` (keep only this many of
-    the most frequent tokens in the draft's output head; 0 = all)."""
+    the most frequent tokens in the draft's output head; 0 = all), ``min_confidence``."""
     from transformers import AutoTokenizer
 
     path = Path(str(context.options["draft_path"]))
@@ -199,4 +219,7 @@ def build_draft_proposer(context: ProposerContext) -> DraftModelProposer:
             "draft model %s has %.0f%% of the target's parameters; a draft step this dear rarely pays",
             name, 100 * fraction,
         )  # fmt: skip
-    return DraftModelProposer(model, target.cfg.vocab_size, context.max_slots, context.max_seq_len)
+    min_confidence = float(context.options.get("min_confidence", 0.0) or 0.0)
+    return DraftModelProposer(
+        model, target.cfg.vocab_size, context.max_slots, context.max_seq_len, min_confidence
+    )
