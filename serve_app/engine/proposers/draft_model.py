@@ -162,8 +162,9 @@ class DraftModelProposer:
             torch.tensor([r.params.top_p for r in rows], device=device),
         )  # [B, V]
         picked = sample(q, [r.generator for r in rows]).tolist()
+        confidence = q.max(dim=-1).values.tolist()  # [B]
         return [
-            (t, None if r.generator is None else q[b])
+            (t, None if r.generator is None else q[b], confidence[b])
             for b, (t, r) in enumerate(zip(picked, rows, strict=True))
         ]
 
