@@ -92,6 +92,47 @@ class StoreSettings(_Section):
     )
 
 
+class ServerSettings(_Section):
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    api_key: str | None = Field(None, description="If set, requests must send `Authorization: Bearer <key>`.")
+    served_model_name: str | None = Field(
+        None, description="The model name clients use in requests; default: the target's name."
+    )
+    max_tokens_limit: int = Field(2048, ge=1, description="The largest max_tokens a request may ask for.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="A request still running after this is aborted."
+    )
+
+
+class AutoscalingSettings(_Section):
+    min_replicas: int = Field(1, ge=0, description="Fewest engine replicas.")
+    max_replicas: int = Field(1, ge=1, description="Most engine replicas.")
+    target_ongoing_requests: float | None = Field(
+        None,
+        gt=0,
+        description="Ongoing requests per replica the autoscaler aims for; default: the slot count.",
+    )
+    upscale_delay_s: float = Field(10.0, ge=0, description="How long load must stay high before scaling up.")
+    downscale_delay_s: float = Field(
+        120.0, ge=0, description="How long load must stay low before scaling down."
+    )
+    max_queued_requests: int = Field(
+        64, ge=-1, description="Requests Serve queues per deployment before answering 503 (-1 = no bound)."
+    )
+    replica_num_cpus: float = Field(2.0, gt=0, description="CPUs each engine replica reserves in Ray.")
+
+
+class TelemetrySettings(_Section):
+    exporter: Literal["none", "console", "otlp"] = Field("none", description="Where traces go.")
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP collector endpoint, e.g. http://collector:4317 (grpc) or :4318/v1/traces (http).",
+    )
+    otlp_protocol: Literal["grpc", "http"] = Field("grpc", description="OTLP transport.")
+    service_name: str = Field("specserve", description="service.name resource attribute.")
+
+
 class SamplingDefaults(_Section):
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request names none.")
 
@@ -111,6 +152,11 @@ class Settings(BaseSettings):
     )
     store: StoreSettings = Field(default_factory=StoreSettings, description="Model store.")
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="Request defaults.")
+    server: ServerSettings = Field(default_factory=ServerSettings, description="HTTP server.")
+    autoscaling: AutoscalingSettings = Field(
+        default_factory=AutoscalingSettings, description="Engine replicas: autoscaling and overload."
+    )
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings, description="Tracing.")
 
     @classmethod
     def settings_customise_sources(
