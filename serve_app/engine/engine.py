@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -248,7 +248,11 @@ class SpecEngine:
             if decision.proposer is not None:
                 self.proposers[decision.proposer].commit(request.slot, accepted)
             request.spec_stats.record(decision.proposer, len(draft.tokens), accepted)
-            outputs.append(self._emit(request, emitted))
+            output = self._emit(request, emitted)
+            outputs.append(
+                replace(output, step_proposer=decision.proposer, step_drafted=len(draft.tokens),
+                        step_accepted=accepted)  # fmt: skip
+            )
         return outputs
 
     def _emit(self, request: Request, tokens: list[int]) -> RequestOutput:

@@ -140,6 +140,9 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     spec_stats: SpecStats | None = None  # set on the final output
+    step_proposer: str | None = None  # this step's speculation for the request (None = plain)
+    step_drafted: int = 0  # draft tokens verified this step
+    step_accepted: int = 0  # of which accepted
 
 
 @dataclass(frozen=True)
