@@ -249,10 +249,8 @@ class SpecEngine:
                 self.proposers[decision.proposer].commit(request.slot, accepted)
             request.spec_stats.record(decision.proposer, len(draft.tokens), accepted)
             output = self._emit(request, emitted)
-            outputs.append(
-                replace(output, step_proposer=decision.proposer, step_drafted=len(draft.tokens),
-                        step_accepted=accepted)  # fmt: skip
-            )
+            step = {"step_proposer": decision.proposer, "step_drafted": len(draft.tokens)}
+            outputs.append(replace(output, step_accepted=accepted, **step))
         return outputs
 
     def _emit(self, request: Request, tokens: list[int]) -> RequestOutput:
