@@ -213,3 +213,20 @@ def test_unknown_speculation_mode_is_refused(target_hf, tiny_tokenizer) -> None:
         engine.add_request([1, 2], GREEDY, speculation=SpecOverride(mode="eagle"))
     with pytest.raises(ValueError, match="has no proposer loaded"):
         make_engine(target_hf, tiny_tokenizer, {}, "draft", 2)
+
+
+def test_cheap_draft_options_stay_lossless(target_hf, tiny_tokenizer, prompts, references) -> None:
+    """int8 draft layers, a restricted draft head and a confidence stop change what is drafted,
+    never what is emitted."""
+    from serve_app.engine.model import DraftOptions
+
+    state = {k: v.detach().clone() for k, v in target_hf.state_dict().items()}
+    options = DraftOptions(int8=True, head_ids=tuple(range(0, len(tiny_tokenizer), 2)))
+    model = DecoderModel(DecoderModel.from_hf_model(target_hf).cfg, target_hf.config, state, options)
+    proposer = DraftModelProposer(model, model.cfg.vocab_size, 8, 128, min_confidence=0.5)
+    engine = make_engine(target_hf, tiny_tokenizer, {"draft": proposer}, "draft", 6)
+    results = engine.generate(prompts, GREEDY)
+    assert_matches_reference(results, prompts, references)
+    assert sum(r.spec_stats.drafted for r in results) > 0
+    assert sum(r.spec_stats.accepted for r in results) > 0
+    assert sum(r.spec_stats.steps_none_accepted for r in results) > 0  # odd ids are never drafted
