@@ -172,12 +172,43 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("path", help="the converted folder of a fetched pack").add_argument("name")
     models.set_defaults(func=cmd_models)
 
-    bench = sub.add_parser("bench", help="benchmark our decoding against transformers (not a test)")
+    bench = sub.add_parser(
+        "bench", help="benchmark our decoding, plain and speculative, against transformers"
+    )
     runtime_flags(bench)
+    bench.add_argument("--draft", help="draft model for the draft and assisted methods (default: settings)")
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--kinds", nargs="*", help="prompt kinds to run (default: all)")
-    bench.add_argument("--no-transformers", action="store_true", help="skip the transformers reference")
+    bench.add_argument(
+        "--warmup",
+        choices=["each", "first"],
+        default="each",
+        help="one warm-up run of every method before each prompt (each) or only before the first (first)",
+    )
+    bench.add_argument("--kinds", nargs="*", help="prompt kinds to run: code json chat prose (default: all)")
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        metavar="METHOD",
+        help="methods to run (default: all): specserve-plain, specserve-draft-d<k> (k of --depths or any), "
+        "specserve-ngram, transformers-plain, transformers-assisted, transformers-lookup",
+    )
+    bench.add_argument(
+        "--depths", nargs="+", type=int, default=[2, 4, 6, 8], help="draft depths (default: 2 4 6 8)"
+    )
+    bench.add_argument("--no-transformers", action="store_true", help="skip the transformers methods")
+    bench.add_argument(
+        "--sweep",
+        nargs="+",
+        type=int,
+        metavar="C",
+        help="also measure plain vs draft vs n-gram throughput at these concurrencies (e.g. 1 2 4 8 16)",
+    )
+    bench.add_argument(
+        "--cost-curve",
+        action="store_true",
+        help="also time target forwards of 1..32 tokens per row at batch 1 and 8, and the draft step",
+    )
     bench.add_argument("--out", default="bench-results", help="folder for the JSON and Markdown results")
     bench.set_defaults(func=cmd_bench)
     return parser
