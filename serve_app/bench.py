@@ -13,12 +13,12 @@ methods, what speculation did) that produces exactly ``max_tokens`` greedy token
   (``prompt_lookup_num_tokens=10``): `generate` with a clean generation config and no EOS.
 
 For every prompt (or, with ``--warmup first``, the first prompt only) each method runs once to warm
-up, then ``repeats`` times interleaved (A, B, A, B, ...) so all see the same machine state; tok/s is ``max_tokens / seconds`` (prefill included),
-medians over repeats. Per prompt kind (and for code+json, the issue's headline, and overall) a
-method's tok/s is the median over the kind's prompts and a speedup is the ratio of those medians.
-Acceptance is pooled: accepted / drafted summed over the timed repeats (and the kind's prompts);
-mean accepted length = (accepted + speculative steps) / speculative steps.
-``--sweep`` and ``--cost-curve`` live in ``serve_app.bench_sweeps``.
+up, then ``repeats`` times interleaved (A, B, A, B, ...) so all see the same machine state; tok/s is
+``max_tokens / seconds`` (prefill included), medians over repeats. Per prompt kind (and for
+code+json, the issue's headline, and overall) a method's tok/s is the median over the kind's prompts
+and a speedup is the ratio of those medians. Acceptance is pooled: accepted / drafted summed over
+the timed repeats (and the kind's prompts); mean accepted length = (accepted + speculative steps) /
+speculative steps. ``--sweep`` and ``--cost-curve`` live in ``serve_app.bench_sweeps``.
 
 Roofline: decoding one token reads every decoder weight once. With tied embeddings the tensor is
 both the embedding (one row read) and the output head (read in full), and ``weight_bytes`` counts
