@@ -1,0 +1,350 @@
+"""OpenAI request/response models for /v1/completions and /v1/chat/completions, and the translation
+of a request into the engine's `GenerateRequest`.
+
+Validation is strict, as OpenAI's: wrong JSON types are errors (no "5" for 5) and an unknown
+top-level field is a 400 ("Unrecognized request argument supplied: ..."). The `openai` client sends
+only what its caller passes, so it needs no allowlist; accepted and ignored: `user`, `metadata`,
+`store`, `service_tier`, `parallel_tool_calls`, `stream_options.include_obfuscation`. OpenAI fields
+not implemented here are accepted at their neutral value and otherwise refused with a 400 naming the
+field: `n` != 1, non-zero penalties, `logit_bias`, `logprobs`, tools, a non-text `response_format`,
+`echo`, `suffix`, `best_of` != 1. Extensions: `top_k` (0 or -1 = off), `ignore_eos`,
+`stop_token_ids`, `speculation: {"mode": "auto"|"off"|<proposer>, "max_depth": n >= 0}` (no other
+keys). `model` is required, as in OpenAI's API. Chat messages: roles system, developer (given to the
+template as system), user, assistant; content a string or text parts (joined with newlines); keys a
+client echoes back from a previous response (`refusal`, `annotations`, ...) are ignored.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from serve_app.api.errors import APIError
+from serve_app.engine.request import SpecOverride
+from serve_app.engine.sampling import MAX_STOP_STRINGS, SamplingParams
+from serve_app.generation import EngineInfo, GenerateRequest
+
+DEFAULT_MAX_TOKENS = 256
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+# Fields accepted only at a neutral value: name -> (is the value neutral?, why not otherwise).
+_NEUTRAL: dict[str, tuple[Any, str]] = {
+    "n": (lambda v: v in (None, 1), "only n=1 is supported"),
+    "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
+    "presence_penalty": (lambda v: not v, "only 0 is supported (penalties are not implemented)"),
+    "frequency_penalty": (lambda v: not v, "only 0 is supported (penalties are not implemented)"),
+    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
+    "logprobs": (lambda v: v is None or v is False, "logprobs are not supported"),
+    "top_logprobs": (lambda v: not v, "logprobs are not supported"),
+    "echo": (lambda v: not v, "echo is not supported"),
+    "suffix": (lambda v: not v, "suffix is not supported"),
+    "tools": (lambda v: not v, "tools are not supported"),
+    "functions": (lambda v: not v, "functions are not supported"),
+    "tool_choice": (lambda v: v in (None, "none"), "tools are not supported"),
+    "function_call": (lambda v: v in (None, "none"), "functions are not supported"),
+    "response_format": (lambda v: v in (None, {"type": "text"}), "only response_format text is supported"),
+}
+
+
+class SpeculationOptions(BaseModel):
+    """Our extension: the request's own say on speculative decoding."""
+
+    model_config = _STRICT
+    mode: str = Field("auto", min_length=1, description="'auto' (server decides), 'off', or a proposer.")
+    max_depth: int | None = Field(None, ge=0, description="Draft at most this many tokens per step.")
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted; nothing is obfuscated
+
+
+class _Request(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = _STRICT
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # ignored
+    metadata: dict[str, str] | None = None  # ignored
+    store: bool | None = None  # ignored: nothing is stored
+    service_tier: str | None = None  # ignored
+    top_k: int | None = Field(None, ge=-1)  # extension: keep the k most likely tokens (0 or -1: off)
+    ignore_eos: bool = False  # extension: keep generating past the end-of-text token
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
+    speculation: SpeculationOptions | None = None
+
+    @field_validator(*_NEUTRAL, check_fields=False)
+    @classmethod
+    def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
+        is_neutral, why = _NEUTRAL[info.field_name or ""]
+        if not is_neutral(v):
+            raise ValueError(why)
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return [v] if v else None
+        if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+            raise ValueError("must be a non-empty string or a list of non-empty strings")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        return v or None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int] = Field(description="Text, a list of one text, or token ids (one prompt).")
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
+            v = v[0]  # ["text"] or [[ids]]
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("must not be empty")
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            if any(t < 0 for t in v):
+                raise ValueError("token ids must be >= 0")
+            return v
+        if isinstance(v, list) and len(v) > 1 and all(isinstance(p, str | list) for p in v):
+            raise ValueError("batched prompts are not supported: send one prompt per request")
+        raise ValueError("must be a non-empty string, a list with one string, or a list of token ids")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_tools(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("tool calls are not supported")
+        return v
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v  # strings pass; other types fail the str check
+        texts = []
+        for part in v:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string 'text'")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_Request):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None  # ignored: there are no tools
+    response_format: dict[str, Any] | None = None
+
+
+def new_request_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def to_generate_request(
+    req: CompletionRequest | ChatCompletionRequest,
+    info: EngineInfo,
+    *,
+    request_id: str,
+    max_tokens_limit: int | None = None,
+    trace_context: dict[str, str] | None = None,
+) -> GenerateRequest:
+    """Translate a validated request for the engine; refusals the schema can't see raise `APIError`.
+
+    A ``max_tokens`` over ``info.max_tokens_limit`` (or ``max_tokens_limit``, if lower) is a 400; none
+    means ``min(256, limit)``."""
+    limit = min(info.max_tokens_limit, max_tokens_limit or info.max_tokens_limit)
+    param, max_tokens = "max_tokens", req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        param, max_tokens = "max_completion_tokens", req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, limit)
+    elif max_tokens > limit:
+        why = f"{param} is too large: {max_tokens}. This model supports at most {limit} completion tokens."
+        raise APIError(400, why, param=param, code="max_tokens_too_large")
+    top_p = 1.0 if req.top_p is None else max(req.top_p, 1e-9)  # 0: only the most likely token
+    try:
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=max(req.top_k or 0, 0),
+            top_p=top_p,
+            seed=req.seed,
+            stop=tuple(req.stop or ()),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+    except ValueError as e:  # SamplingParams names the field first
+        raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+    spec = req.speculation or SpeculationOptions()
+    if spec.mode not in (modes := ("auto", "off", *info.proposers)):
+        why = f"speculation.mode must be one of {', '.join(map(repr, modes))}, got {spec.mode!r}"
+        raise APIError(400, why, param="speculation.mode")
+    common = dict(
+        request_id=request_id,
+        sampling=sampling,
+        speculation=SpecOverride(mode=spec.mode, max_depth=spec.max_depth),
+        trace_context=dict(trace_context or {}),
+    )
+    if isinstance(req, CompletionRequest):
+        return GenerateRequest(prompt=req.prompt, **common)  # type: ignore[arg-type]
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+        | ({"name": m.name} if m.name else {})
+        for m in req.messages
+    ]
+    return GenerateRequest(messages=messages, **common)  # type: ignore[arg-type]
+
+
+# Responses. Optional extras (``speculation``, chunk ``usage``, unset delta keys) are left out when
+# empty so that every object is exactly OpenAI's shape plus, where there is one, our block.
+def _omit_none() -> Any:
+    return Field(None, exclude_if=lambda v: v is None)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpeculationInfo(BaseModel):
+    """Our extension: what speculation did for this request (`SpecStats.as_dict()`)."""
+
+    model_config = ConfigDict(extra="ignore")
+    proposer: str | None = None
+    steps: int = 0
+    spec_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 0.0
+    accepted_per_position: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    """A ``text_completion`` object; streamed chunks have the same shape."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = _omit_none()
+    speculation: SpeculationInfo | None = _omit_none()
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    speculation: SpeculationInfo | None = _omit_none()
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = _omit_none()
+    content: str | None = _omit_none()
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = _omit_none()
+    speculation: SpeculationInfo | None = _omit_none()
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specserve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
