@@ -11,7 +11,7 @@ FIND_LINKS := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS),)
 TEST_PACKS ?= smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
-.PHONY: venv install generate test lint bench models fetch-test-packs clean
+.PHONY: venv install generate serve test lint bench models fetch-test-packs clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ venv install: $(VENV)/.installed
 
 generate: install
 	$(VENV)/bin/specserve generate --chat --prompt "$(PROMPT)"
+
+# The OpenAI-compatible API on a local Ray cluster (http://127.0.0.1:8000/v1) until Ctrl-C.
+serve: install
+	$(VENV)/bin/specserve serve
 
 fetch-test-packs: install
 	for p in $(TEST_PACKS); do $(VENV)/bin/specserve models fetch $$p || exit 1; done

@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, models, bench."""
+"""`specserve` command line: serve, generate, models, bench."""
 
 from __future__ import annotations
 
@@ -139,6 +139,109 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, _settings(args))
 
 
+def _serve_settings(args: argparse.Namespace) -> Settings:
+    """``_settings`` plus the HTTP server's flags."""
+    base = _settings(args)
+    server = base.server.model_dump()
+    for key in ("host", "port", "api_key", "served_model_name"):
+        if getattr(args, key, None) is not None:
+            server[key] = getattr(args, key)
+    return Settings(**{**base.model_dump(), "server": server})
+
+
+def _http_status(url: str) -> int | None:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the OpenAI-compatible API on a local Ray cluster until Ctrl-C."""
+    import os
+
+    settings = _serve_settings(args)
+    # Fetch the packs here, where their progress shows; the replicas then find them in the store.
+    store = _store(settings)
+    refs = [settings.model.target]
+    if settings.speculation.method == "draft" and settings.model.draft:
+        refs.append(settings.model.draft)
+    for ref in refs:
+        print(f"[specserve] model {ref}: {store.resolve(ref)}", flush=True)
+
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.replica import served_model_name
+
+    started_ray = not ray.is_initialized()
+    if started_ray:  # a local cluster (never `ray start --head`: port 6379 is Redis's here)
+        address = os.environ.get("RAY_ADDRESS") or "local"
+        ray.init(address=address, include_dashboard=False)
+    try:
+        cpus = ray.cluster_resources().get("CPU", 0.0)
+        needed = settings.autoscaling.replica_num_cpus * max(1, settings.autoscaling.min_replicas)
+        if cpus < needed:
+            print(
+                f"[specserve] warning: the engine replicas need {needed:g} CPUs, the cluster has {cpus:g}; "
+                "set SPECSERVE_AUTOSCALING__REPLICA_NUM_CPUS lower or they will never start",
+                file=sys.stderr,
+            )
+        host, port = settings.server.host, settings.server.port
+        serve.start(http_options={"host": host, "port": port})
+        app_name = "specserve"
+        serve.run_many(
+            [serve.RunTarget(build_app(settings.model_dump(mode="json")), name=app_name, route_prefix="/")],
+            wait_for_applications_running=False,
+        )
+        local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        url = f"http://{local}:{port}"
+        print(f"[specserve] starting {app_name}: loading models into the engine replica(s) ...", flush=True)
+        start = last = time.monotonic()
+        while _http_status(f"{url}/health") != 200:
+            status = serve.status().applications.get(app_name)
+            if status is not None and str(status.status.value) == "DEPLOY_FAILED":
+                print(f"[specserve] deployment failed: {status.message}", file=sys.stderr)
+                return 1
+            if time.monotonic() - last >= 10:
+                last = time.monotonic()
+                state = str(status.status.value) if status is not None else "NOT_STARTED"
+                details = "; ".join(
+                    f"{name}: {d.status.value} {d.message}".strip()
+                    for name, d in (status.deployments.items() if status is not None else ())
+                )
+                print(f"[specserve] {time.monotonic() - start:.0f}s: {state} {details}", flush=True)
+            time.sleep(1)
+        name = served_model_name(settings)
+        key = settings.server.api_key
+        auth = f" \\\n  -H 'Authorization: Bearer {key}'" if key else ""
+        print(
+            f"[specserve] ready after {time.monotonic() - start:.0f}s: {url}  (model {name!r}; "
+            f"OpenAI base URL {url}/v1)\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f"""  -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], """
+            f""""max_tokens": 64}}'\n"""
+            "[specserve] Ctrl-C to stop",
+            flush=True,
+        )
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\n[specserve] shutting down", flush=True)
+        return 0
+    finally:
+        serve.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -171,6 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("fetch", help="download, verify and convert a pack").add_argument("name")
     msub.add_parser("path", help="the converted folder of a fetched pack").add_argument("name")
     models.set_defaults(func=cmd_models)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve (until Ctrl-C)")
+    runtime_flags(srv)
+    srv.add_argument("--draft", help="draft model for --method draft (default: settings)")
+    srv.add_argument("--method", choices=["off", "draft", "ngram"], help="speculation (default: settings)")
+    srv.add_argument("--depth", type=int, help="draft tokens per step (default: settings)")
+    srv.add_argument("--host", help="address to bind (default: settings, 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="HTTP port (default: settings, 8000)")
+    srv.add_argument("--api-key", help="require `Authorization: Bearer <key>` (default: settings, none)")
+    srv.add_argument("--served-model-name", help="the model name clients send (default: the target's)")
+    srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser(
         "bench", help="benchmark our decoding, plain and speculative, against transformers"

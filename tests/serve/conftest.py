@@ -1,0 +1,33 @@
+"""One local Ray cluster and Serve instance for the whole session (only tests that ask for it)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_http() -> Iterator[str]:
+    """Start Ray (a local cluster, never `ray start --head`: 6379 is Redis's) and Serve's HTTP
+    proxy on a free port; yields the proxy's base URL and shuts both down at the end."""
+    import ray
+    from ray import serve
+
+    port = free_port()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

@@ -1,0 +1,309 @@
+"""The Ray Serve application: its pure parts (options from settings, build_app's arguments, the
+handle client), then end to end through Ray Serve with the real SmolLM2 pack, the official
+`openai` client and real HTTP.
+
+One application serves every end-to-end test (with an API key, so every test also exercises auth):
+SmolLM2-135M as target and as its own draft, so speculation is on and accepts nearly everything,
+in float32 so greedy speculative output must equal plain output token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+
+from serve_app.app import RayEngineClient, build_app, deployment_options, ingress_options, settings_from_args
+from serve_app.config import Settings
+from serve_app.engine.sampling import SamplingParams
+from serve_app.generation import GenerateChunk, GenerateRequest
+
+APP = "specserve-e2e"
+MODEL = "smollm2"
+KEY = "sk-test-e2e"
+MAX_SEQ_LEN = 512
+MAX_TOKENS_LIMIT = 256
+MESSAGES = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+
+
+# --------------------------------------------------------------------------------- pure parts
+
+
+def test_deployment_options_follow_settings() -> None:
+    options = deployment_options(Settings())
+    assert options["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 1,
+        "target_ongoing_requests": 8.0,  # default: the slot count
+        "upscale_delay_s": 10.0,
+        "downscale_delay_s": 120.0,
+    }
+    assert options["max_ongoing_requests"] == 8 + 2  # slots + a small waiting margin
+    assert options["max_queued_requests"] == 64
+    assert options["ray_actor_options"] == {"num_cpus": 2.0}
+    custom = Settings(
+        cache={"max_slots": 16},
+        autoscaling={
+            "min_replicas": 0,
+            "max_replicas": 4,
+            "target_ongoing_requests": 12,
+            "upscale_delay_s": 1,
+            "downscale_delay_s": 5,
+            "max_queued_requests": -1,
+            "replica_num_cpus": 1.5,
+        },
+    )
+    options = deployment_options(custom)
+    scaling = options["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (0, 4)
+    assert scaling["target_ongoing_requests"] == 12.0
+    assert (scaling["upscale_delay_s"], scaling["downscale_delay_s"]) == (1.0, 5.0)
+    assert options["max_ongoing_requests"] == 16 + 4
+    assert options["max_queued_requests"] == -1
+    assert options["ray_actor_options"] == {"num_cpus": 1.5}
+    assert ingress_options(custom)["ray_actor_options"] == {"num_cpus": 0}
+    assert ingress_options(custom)["max_ongoing_requests"] >= 4 * 20
+    with pytest.raises(ValueError, match="min_replicas"):
+        deployment_options(Settings(autoscaling={"min_replicas": 3, "max_replicas": 2}))
+
+
+def test_build_app_arguments() -> None:
+    settings = settings_from_args(
+        {"model": {"target": "x"}, "cache.max_slots": "4", "server__port": 9000, "max_seq_len": 256}
+    )
+    assert settings.model.target == "x" and settings.model.draft == Settings().model.draft
+    assert (settings.cache.max_slots, settings.cache.max_seq_len, settings.server.port) == (4, 256, 9000)
+    with pytest.raises(ValueError, match=r"cache\.max_slots"):
+        settings_from_args({"cache": {"max_slots": 0}})
+    with pytest.raises(ValueError, match="bogus"):
+        settings_from_args({"model": {"bogus": 1}})
+    with pytest.raises(ValueError, match="nonsense"):
+        settings_from_args({"nonsense": 1})
+    assert isinstance(build_app({"model.target": "x"}), serve.Application)  # builds, starts nothing
+
+
+class FakeResponse:
+    """A DeploymentResponseGenerator stand-in: streams chunks, may fail, records cancel()."""
+
+    def __init__(self, chunks: list[GenerateChunk], error: Exception | None = None) -> None:
+        self.chunks, self.error, self.cancelled = list(chunks), error, False
+
+    def __aiter__(self) -> AsyncIterator[GenerateChunk]:
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        if self.chunks:
+            return self.chunks.pop(0)
+        if self.error is not None:
+            raise self.error
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    def __init__(self, response: FakeResponse) -> None:
+        self.response = response
+        self.generate = self
+        self.stream = False
+
+    def options(self, stream: bool = False) -> FakeHandle:
+        self.stream = stream
+        return self
+
+    def remote(self, request: GenerateRequest) -> FakeResponse:
+        assert self.stream
+        return self.response
+
+
+def test_ray_engine_client_cancels_the_replica_call_when_closed_early() -> None:
+    request = GenerateRequest("r", SamplingParams(max_tokens=4), prompt="x")
+    chunks = [GenerateChunk("r", "a"), GenerateChunk("r", "b"), GenerateChunk("r", "c", finished=True)]
+
+    async def first_only(response: FakeResponse) -> list[GenerateChunk]:
+        gen = RayEngineClient(FakeHandle(response)).generate(request)
+        got = [await gen.__anext__()]
+        await gen.aclose()
+        return got
+
+    async def everything(response: FakeResponse) -> list[GenerateChunk]:
+        return [c async for c in RayEngineClient(FakeHandle(response)).generate(request)]
+
+    early = FakeResponse(chunks)
+    assert [c.text for c in asyncio.run(first_only(early))] == ["a"] and early.cancelled
+    full = FakeResponse(chunks)
+    assert [c.text for c in asyncio.run(everything(full))] == ["a", "b", "c"] and not full.cancelled
+    overloaded = FakeResponse([], BackPressureError(64, 64))
+    (chunk,) = asyncio.run(everything(overloaded))
+    assert chunk.finished and chunk.error.status == 503 and chunk.error.type == "overloaded_error"
+    broken = FakeResponse(chunks[:1], RuntimeError("replica died"))
+    got = asyncio.run(everything(broken))
+    assert got[-1].error.status == 500 and "replica died" not in got[-1].error.message
+
+
+# --------------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def base_url(smollm2_path, serve_http: str) -> Iterator[str]:
+    """The application, deployed once for the module (the pack first: no Ray when it is missing)."""
+    pack = str(smollm2_path)
+    args = {
+        "model": {"target": pack, "draft": pack},
+        "runtime": {"dtype": "float32", "threads": 2},
+        "cache": {"max_slots": 4, "max_seq_len": MAX_SEQ_LEN},
+        "speculation": {"method": "draft", "depth": 4, "draft_int8": False},
+        "server": {"api_key": KEY, "served_model_name": MODEL, "max_tokens_limit": MAX_TOKENS_LIMIT},
+        "autoscaling": {"replica_num_cpus": 1, "max_queued_requests": 16},
+    }
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    try:
+        yield serve_http
+    finally:
+        serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def engine_stats() -> dict:
+    from serve_app.app import ENGINE_DEPLOYMENT
+
+    return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP).stats.remote().result()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def chat(client: openai.OpenAI, **kwargs):
+    params = {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "temperature": 0.0, **kwargs}
+    return client.chat.completions.create(**params)
+
+
+def streamed_text(client: openai.OpenAI, **kwargs) -> tuple[str, dict | None, str | None]:
+    text, speculation, reason = [], None, None
+    for chunk in chat(client, stream=True, **kwargs):
+        extra = chunk.model_extra or {}
+        speculation = extra.get("speculation") or speculation
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            reason = choice.finish_reason or reason
+    return "".join(text), speculation, reason
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
+def test_health_models_and_api_key(base_url: str, client: openai.OpenAI) -> None:
+    assert requests.get(f"{base_url}/health", timeout=30).status_code == 200  # no key needed
+    assert MODEL in [m.id for m in client.models.list().data]
+    assert requests.get(f"{base_url}/v1/models", timeout=30).status_code == 401
+    wrong = requests.get(f"{base_url}/v1/models", headers={"Authorization": "Bearer nope"}, timeout=30)
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base_url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
+def test_chat_with_speculation(client: openai.OpenAI) -> None:
+    response = chat(client)
+    choice = response.choices[0]
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+    assert 0 < response.usage.completion_tokens <= 40
+    speculation = response.model_extra["speculation"]
+    assert speculation["proposer"] == "draft" and speculation["drafted"] > 0
+    assert speculation["accepted"] > 0 and speculation["mean_accepted_length"] > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
+def test_stream_equals_plain_decoding(client: openai.OpenAI) -> None:
+    spec_text, speculation, reason = streamed_text(client)
+    plain = chat(client, extra_body={"speculation": {"mode": "off"}})
+    assert spec_text == plain.choices[0].message.content
+    assert reason == plain.choices[0].finish_reason
+    assert speculation is not None and speculation["drafted"] > 0
+    assert plain.model_extra["speculation"]["drafted"] == 0
+    plain_stream, _, _ = streamed_text(client, extra_body={"speculation": {"mode": "off"}})
+    assert plain_stream == spec_text
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
+def test_completions_and_concurrent_requests(client: openai.OpenAI) -> None:
+    prompts = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n", "Once upon a time"]
+
+    def complete(prompt: str) -> str:
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0)
+        return response.choices[0].text
+
+    alone = [complete(p) for p in prompts[:2]]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(complete, prompts))
+    assert together[:2] == alone  # batch composition never changes an output
+    assert all(together)
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
+@pytest.mark.parametrize(
+    ("kwargs", "status"),
+    [
+        ({"max_tokens": MAX_TOKENS_LIMIT + 1}, 400),
+        ({"messages": [{"role": "user", "content": "hello " * MAX_SEQ_LEN}]}, 400),  # over the context
+        ({"model": "no-such-model"}, 404),
+        ({"extra_body": {"speculation": {"mode": "no-such-proposer"}}}, 400),
+        ({"extra_body": {"speculation": {"mode": "off", "bogus": 1}}}, 400),
+        ({"temperature": -1.0}, 400),
+    ],
+)
+def test_bad_requests_are_4xx(client: openai.OpenAI, kwargs: dict, status: int) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as info:
+            response = chat(client, stream=stream, **kwargs)
+            if stream:
+                list(response)
+        assert info.value.status_code == status, info.value.response.text
+        assert info.value.response.json()["error"]["message"]
+    assert chat(client, max_tokens=4).choices[0].message.content  # the server is fine
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
+def test_client_disconnect_frees_the_slot(base_url: str) -> None:
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": MAX_TOKENS_LIMIT,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    aborts = engine_stats()["aborts"]
+    url = f"{base_url}/v1/chat/completions"
+    with requests.post(url, json=body, headers=headers, stream=True, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines(decode_unicode=True)
+        events = [line for line in (next(lines) for _ in range(12)) if line.startswith("data:")]
+        assert events
+        assert engine_stats()["running"] == 1
+    # The connection is closed: proxy -> ingress -> engine replica -> abort in the engine loop.
+    wait_for(lambda: engine_stats()["running"] == 0 and engine_stats()["streams"] == 0)
+    stats = engine_stats()
+    assert stats["aborts"] == aborts + 1  # aborted, not finished
+    assert stats["waiting"] == 0 and stats["healthy"]
