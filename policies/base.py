@@ -1,0 +1,111 @@
+"""The decision layer's contracts: what a policy sees of a step, what it decides, what it learns.
+
+Pure Python: nothing here (or anywhere in ``policies``) imports ``serve_app``. The engine builds a
+frozen ``StepView`` before each decode step, asks the configured ``Policy`` for one ``Decision``
+per running request, runs the step, and feeds back an ``Outcome``.
+
+A decision of depth 0 or proposer None means plain decoding for that request this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """One running request as a policy sees it (read-only)."""
+
+    request_id: str
+    prompt_len: int  # tokens in the prompt
+    generated: int  # tokens generated so far
+    tokens_left: int  # max_tokens - generated (a draft deeper than tokens_left - 1 is wasted)
+    temperature: float  # 0 = greedy
+    workload: str  # workload class: "code" | "json" | "prose" | a user tag
+    # Per proposer: estimated probability that draft position j is accepted given that positions
+    # < j were (conditional acceptance), j = 0 .. max_depth - 1.
+    acceptance: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    override_mode: str = "auto"  # the request's own say: "auto" | "off" | a proposer name
+    override_max_depth: int | None = None  # the request's cap on depth (None = server's limit)
+
+    @property
+    def context_len(self) -> int:
+        return self.prompt_len + self.generated
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Predicts step times in seconds (see ``policies.cost_model`` for the fitted implementation)."""
+
+    def target_time(self, rows: int, tokens_per_row: int, context: int) -> float:
+        """One target forward over ``rows`` rows of ``tokens_per_row`` tokens (padding included)."""
+
+    def draft_time(self, proposer: str, rows: int, context: int) -> float:
+        """One draft step of ``proposer`` for ``rows`` rows (one drafted token per row); 0 if free."""
+
+
+@dataclass(frozen=True)
+class StepView:
+    """Everything a policy may use to decide one decode step."""
+
+    requests: tuple[RequestView, ...]
+    queue_depth: int  # requests waiting for a slot
+    proposers: tuple[str, ...]  # proposers loaded on this replica
+    max_depth: int  # the server's limit on depth
+    cost: CostModel
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.requests)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Speculate with ``proposer`` up to ``depth`` tokens for one request; depth 0 = plain."""
+
+    proposer: str | None
+    depth: int
+
+    @classmethod
+    def plain(cls) -> Decision:
+        return cls(None, 0)
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What happened to one request in one step."""
+
+    request_id: str
+    workload: str
+    proposer: str | None
+    depth: int  # depth decided
+    drafted: int  # tokens the proposer actually drafted (may be < depth)
+    accepted: int  # of which the target accepted
+    emitted: int  # tokens emitted (accepted + 1, fewer if the request stopped inside the run)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One decode step, measured: fed back to the policy (and to the cost model, stats)."""
+
+    requests: tuple[RequestOutcome, ...]
+    target_seconds: float  # the target forward (with verification)
+    draft_seconds: dict[str, float]  # per proposer, all its draft steps this step
+    draft_steps: dict[str, int]  # per proposer, how many batched draft forwards it ran
+    tokens_per_row: int  # 1 + the deepest draft in the batch (the padded width of the forward)
+    context: int  # mean context length of the batch
+    step_seconds: float  # wall time of the whole step
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Decides, per step and per request, whether and how deep to speculate."""
+
+    name: str
+
+    def decide(self, step: StepView) -> list[Decision]:
+        """One decision per request of ``step.requests``, in order."""
+
+    def observe(self, outcome: Outcome) -> None:
+        """Learn from a finished step (optional: a stateless policy ignores it)."""
