@@ -133,6 +133,41 @@ class TelemetrySettings(_Section):
     service_name: str = Field("specserve", description="service.name resource attribute.")
 
 
+class StatsSettings(_Section):
+    redis_url: str | None = Field(
+        None,
+        description="Redis for statistics shared across replicas, e.g. redis://127.0.0.1:6379/0; "
+        "null = local statistics only.",
+    )
+    key_prefix: str = Field(
+        "specserve", min_length=1, description="Namespace prefix of every Redis key this service writes."
+    )
+    window_s: float = Field(
+        600.0, gt=0, description="Rolling window of acceptance statistics (the last N seconds, cluster-wide)."
+    )
+    bucket_s: float = Field(
+        60.0, gt=0, description="Time bucket of acceptance counts; a bucket expires once out of the window."
+    )
+    flush_interval_s: float = Field(
+        2.0, gt=0, description="How often the background thread writes batched counts and load to Redis."
+    )
+    refresh_interval_s: float = Field(
+        5.0, gt=0, description="How often the background thread refreshes the cluster-wide priors cache."
+    )
+    load_ttl_s: float = Field(
+        15.0, gt=0, description="A replica's published load expires this long after its last update."
+    )
+    warn_interval_s: float = Field(
+        60.0, ge=0, description="At most one warning about Redis being unavailable per this many seconds."
+    )
+    socket_timeout_s: float = Field(
+        0.5, gt=0, description="Redis connect and socket timeout of the background thread."
+    )
+    max_backoff_s: float = Field(
+        30.0, gt=0, description="Longest wait between reconnection attempts (exponential backoff)."
+    )
+
+
 class SamplingDefaults(_Section):
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request names none.")
 
@@ -157,6 +192,9 @@ class Settings(BaseSettings):
         default_factory=AutoscalingSettings, description="Engine replicas: autoscaling and overload."
     )
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings, description="Tracing.")
+    stats: StatsSettings = Field(
+        default_factory=StatsSettings, description="Acceptance, cost and load statistics (shared via Redis)."
+    )
 
     @classmethod
     def settings_customise_sources(
