@@ -1,0 +1,180 @@
+"""Rolling acceptance estimates per draft position: what a policy's expected-tokens math runs on.
+
+The quantity is the CONDITIONAL acceptance a_j = P(position j accepted | positions < j accepted),
+j = 0, 1, ...: a draft of k tokens then emits 1 + sum_{j<k} prod_{m<=j} a_m tokens on average. A
+step that drafted n tokens of which m were accepted tells us about positions 0..min(m, n-1) only:
+positions < m were reached and accepted, position m (if m < n) was reached and rejected, and
+positions after it were never judged on their own merit (counting them as rejections would make
+deep positions look worse than they are).
+
+Two levels of exponential moving average per position:
+- a pool per (proposer, workload), slow (``pool_alpha``), started from the priors (the model
+  pair's, e.g. read from shared stats, or ``default`` decaying by ``decay`` per position): the
+  estimate for a request that has no history with that proposer yet;
+- per (request, proposer), started from the pool when first updated, with a warm-start step
+  max(alpha, 1 / (n + prior_weight)) at its n-th observation of that position: the first few
+  observations are averaged with the pool's value as if it were ``prior_weight`` observations
+  (a single early rejection must not switch a good request to plain, where it would never be
+  measured again), then it tracks the request with step ``alpha``. One request's text can be
+  far more (or less) predictable than its class.
+
+``drain_counts`` hands the raw counts since the last drain to the shared-stats writer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from policies.base import Outcome
+
+ANY = "*"  # the workload of a prior that applies to every workload of its proposer
+
+
+@dataclass
+class PositionCounts:
+    """Counts per draft position since the last drain (one (proposer, workload))."""
+
+    drafted: list[int] = field(default_factory=list)  # drafts that had a token at position j
+    reached: list[int] = field(default_factory=list)  # ... whose positions < j were all accepted
+    accepted: list[int] = field(default_factory=list)  # ... and position j was accepted too
+
+    def add(self, drafted: int, accepted: int) -> None:
+        while len(self.drafted) < drafted:
+            self.drafted.append(0)
+            self.reached.append(0)
+            self.accepted.append(0)
+        for j in range(drafted):
+            self.drafted[j] += 1
+            if j <= accepted:
+                self.reached[j] += 1
+            if j < accepted:
+                self.accepted[j] += 1
+
+    def conditional(self) -> tuple[float | None, ...]:
+        """accepted / reached per position (None where never reached)."""
+        return tuple(a / r if r else None for a, r in zip(self.accepted, self.reached, strict=True))
+
+
+class AcceptanceEstimator:
+    def __init__(
+        self,
+        priors: Mapping[tuple[str, ...], Sequence[float]] | None = None,
+        *,
+        model_pair: str | None = None,
+        default: float = 0.7,
+        decay: float = 0.97,
+        max_depth: int = 16,
+        alpha: float = 0.1,
+        prior_weight: float = 4.0,
+        pool_alpha: float = 0.05,
+    ) -> None:
+        """``priors``: (proposer, workload) or (model_pair, proposer, workload) -> rates per position.
+
+        3-tuples of another ``model_pair`` are ignored; workload ``"*"`` applies to every workload.
+        A prior shorter than ``max_depth`` repeats its last value.
+        """
+        if not 0 < alpha <= 1 or not 0 < pool_alpha <= 1:
+            raise ValueError("alpha and pool_alpha must be in (0, 1]")
+        self.max_depth = max_depth
+        self.alpha = alpha
+        self.prior_weight = prior_weight
+        self.pool_alpha = pool_alpha
+        self.default = tuple(min(1.0, max(0.0, default * decay**j)) for j in range(max_depth))
+        self._priors: dict[tuple[str, str], tuple[float, ...]] = {}
+        self._pool: dict[tuple[str, str], list[float]] = {}  # (proposer, workload) -> rates
+        self._rates: dict[str, dict[str, list[float]]] = {}  # request id -> proposer -> rates
+        self._seen: dict[str, dict[str, list[int]]] = {}  # request id -> proposer -> times reached
+        self._workload: dict[str, str] = {}  # request id -> workload
+        self._counts: dict[tuple[str, str], PositionCounts] = {}
+        for key, rates in (priors or {}).items():
+            if len(key) == 3:
+                if key[0] != model_pair:
+                    continue
+                key = key[1:]
+            if len(key) != 2:
+                raise ValueError(
+                    f"prior key must be (proposer, workload) or (pair, proposer, workload): {key}"
+                )
+            self.set_prior(key[0], key[1], rates)
+
+    def _pad(self, rates: Sequence[float]) -> list[float]:
+        rates = [min(1.0, max(0.0, float(r))) for r in rates] or list(self.default[:1])
+        return (rates + [rates[-1]] * self.max_depth)[: self.max_depth]
+
+    def set_prior(self, proposer: str, workload: str, rates: Sequence[float]) -> None:
+        """Replace a prior (e.g. fresh rates from shared stats); resets that pool."""
+        self._priors[(proposer, workload)] = tuple(self._pad(rates))
+        for key in [k for k in self._pool if k[0] == proposer and workload in (k[1], ANY)]:
+            del self._pool[key]
+
+    def prior(self, proposer: str, workload: str) -> tuple[float, ...]:
+        """What a request of ``workload`` with no history of ``proposer`` is estimated at."""
+        pool = self._pool.get((proposer, workload))
+        if pool is not None:
+            return tuple(pool)
+        prior = self._priors.get((proposer, workload)) or self._priors.get((proposer, ANY))
+        return prior if prior is not None else self.default
+
+    def start(self, request_id: str, workload: str) -> None:
+        """Tell the estimator a request's workload class (else the first update's, else "*")."""
+        self._workload[request_id] = workload
+
+    def update(
+        self, request_id: str, proposer: str, drafted: int, accepted: int, *, workload: str | None = None
+    ) -> None:
+        """One verified draft: ``drafted`` tokens of which the first ``accepted`` were kept."""
+        drafted = min(max(0, int(drafted)), self.max_depth)
+        if drafted == 0:
+            return
+        accepted = min(max(0, int(accepted)), drafted)
+        workload = self._workload.setdefault(request_id, workload or ANY)
+        pool_key = (proposer, workload)
+        pool = self._pool.setdefault(pool_key, list(self.prior(proposer, workload)))
+        rates = self._rates.setdefault(request_id, {}).setdefault(proposer, list(pool))
+        seen = self._seen.setdefault(request_id, {}).setdefault(proposer, [0] * self.max_depth)
+        for j in range(min(accepted + 1, drafted)):
+            hit = 1.0 if j < accepted else 0.0
+            seen[j] += 1
+            rates[j] += max(self.alpha, 1.0 / (seen[j] + self.prior_weight)) * (hit - rates[j])
+            pool[j] += self.pool_alpha * (hit - pool[j])
+        self._counts.setdefault(pool_key, PositionCounts()).add(drafted, accepted)
+
+    def estimate(
+        self, request_id: str, proposer: str, max_depth: int, *, workload: str | None = None
+    ) -> tuple[float, ...]:
+        """Conditional acceptance of positions 0 .. max_depth - 1 for this request and proposer."""
+        rates = self._rates.get(request_id, {}).get(proposer)
+        if rates is None:
+            rates = self.prior(proposer, self._workload.get(request_id, workload or ANY))
+        out = tuple(rates[: max(0, max_depth)])
+        return out + (out[-1:] or self.default[:1]) * (max_depth - len(out))
+
+    def estimates(
+        self, request_id: str, proposers: Iterable[str], max_depth: int, *, workload: str | None = None
+    ) -> dict[str, tuple[float, ...]]:
+        """``RequestView.acceptance`` for one request: an estimate per proposer."""
+        return {p: self.estimate(request_id, p, max_depth, workload=workload) for p in proposers}
+
+    def observe(self, outcome: Outcome) -> None:
+        """Every request of an engine step that verified a draft."""
+        for r in outcome.requests:
+            if r.proposer is not None and r.drafted > 0:
+                self.update(r.request_id, r.proposer, r.drafted, r.accepted, workload=r.workload)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's state (its counts stay in the pool and the drain)."""
+        self._workload.pop(request_id, None)
+        self._rates.pop(request_id, None)
+        self._seen.pop(request_id, None)
+
+    def retain(self, request_ids: Iterable[str]) -> None:
+        """Forget every request not in ``request_ids`` (e.g. the running ones)."""
+        keep = set(request_ids)
+        for rid in (set(self._rates) | set(self._workload)) - keep:
+            self.forget(rid)
+
+    def drain_counts(self) -> dict[tuple[str, str], PositionCounts]:
+        """Counts per (proposer, workload) since the last drain; resets them."""
+        counts, self._counts = self._counts, {}
+        return counts

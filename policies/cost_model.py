@@ -1,0 +1,270 @@
+"""A fitted, online-corrected cost model: how long a target forward and a draft step take.
+
+Target forward over ``rows`` rows of ``tokens_per_row`` tokens at mean context ``ctx``, with
+n = rows x tokens_per_row tokens in the forward:
+
+    t(rows, tpr, ctx) = c0 + c1 * max(0, n - knee) + c2 * n + c3 * rows * ctx
+
+Why this shape: on this CPU a bf16 forward is memory-bound (it reads every weight once whatever n
+is) until n reaches a knee (~8-16 tokens), then compute grows linearly (measured at ctx 200, batch
+1: n = 1: 135 ms, 4: 130, 8: 155, 16: 185, 32: 290). c0 is the weight read, c2 the small per-token
+work below the knee, c1 the extra slope of the compute-bound side, c3 attention reading each row's
+KV cache. The knee is chosen from ``KNEE_CANDIDATES`` by the best fit; the coefficients by least
+squares on relative error (numpy), kept non-negative (a negative column is dropped and the rest
+refitted). Draft step per proposer (one token for every row): ``d0 + d1 * rows + d2 * rows * ctx``.
+A proposer never fitted nor observed costs 0 (n-gram lookup): fit every model-based proposer.
+
+Online correction: each measurement moves a multiplicative factor geometrically towards
+measured / predicted, the ratio clipped to [1/2, 2] so one outlier (a GC pause, a neighbour's
+burst) moves a prediction by at most 2**ALPHA. There is one global factor (so a uniformly slower
+machine shifts every prediction, also of shapes not run lately) and one per regime (target:
+log2 buckets of n; draft: log2 buckets of rows) for the residual.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from policies.base import Outcome
+
+TargetSample = tuple[int, int, int, float]  # rows, tokens_per_row, context, seconds
+DraftSample = tuple[int, int, float]  # rows, context, seconds
+KNEE_CANDIDATES = (4, 6, 8, 12, 16, 24, 32, 48, 64)
+PREFILL_CHUNK = 64  # a prefill costs about one memory-bound forward per this many tokens
+ALPHA = 0.1  # online step (in log space) per measurement
+CLIP = 2.0  # a measurement's ratio to the prediction is clipped to [1/CLIP, CLIP]
+FACTOR_BOUNDS = (0.1, 10.0)
+BUCKETS = 8
+# Used until ``fit`` runs: the fit of the Qwen2.5-Coder-1.5B bf16 forwards measured at ctx 200 on
+# this machine (above), c3 from bandwidth: 28 KB of KV per token of context per row at ~23 GB/s.
+DEFAULT_TARGET = (0.1313, 0.0053, 0.0, 1.2e-6)
+DEFAULT_KNEE = 4
+
+
+def profile_plan() -> list[tuple[int, int]]:
+    """(rows, tokens_per_row) shapes to time at engine start (one context, e.g. 256): ~3 s/repeat.
+
+    n = rows x tokens_per_row covers 1..64 with rows 1/4/8, both sides of the knee, and the same n
+    at different rows (which separates the per-row term). Shapes needing more KV slots than the
+    engine has can be skipped: the fit needs at least 4 samples.
+    """
+    return [(1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (4, 1), (4, 4), (4, 8), (8, 1), (8, 2), (8, 4), (8, 8)]
+
+
+def draft_profile_plan() -> list[int]:
+    """Row counts at which to time one single-token draft step of each model-based proposer."""
+    return [1, 2, 4, 8]
+
+
+def _bucket(value: int) -> int:
+    return min(BUCKETS - 1, max(0, int(value).bit_length() - 1))
+
+
+def _nonneg_lstsq(columns: list[np.ndarray], y: np.ndarray, drop_order: Sequence[int]) -> np.ndarray:
+    """Least squares on relative error with coefficients >= 0 (an active set that drops columns)."""
+    weights = 1.0 / y
+    active = list(range(len(columns)))
+    matrix = np.stack(columns, axis=1) * weights[:, None]
+    target = y * weights
+    # Rank deficiency (e.g. a single context): drop columns in ``drop_order`` until full rank.
+    for col in drop_order:
+        if np.linalg.matrix_rank(matrix[:, active]) >= len(active):
+            break
+        active.remove(col)
+    while True:
+        coef, *_ = np.linalg.lstsq(matrix[:, active], target, rcond=None)
+        if (coef >= 0).all() or len(active) == 1:
+            result = np.zeros(len(columns))
+            result[active] = np.maximum(coef, 0.0)
+            return result
+        active.pop(int(np.argmin(coef)))
+
+
+class FittedCostModel:
+    """Implements ``policies.base.CostModel``; fitted from profiles, corrected online."""
+
+    def __init__(
+        self,
+        target: Sequence[float] = DEFAULT_TARGET,
+        knee: int = DEFAULT_KNEE,
+        draft: Mapping[str, Sequence[float]] | None = None,
+    ) -> None:
+        self.target = tuple(float(c) for c in target)  # c0, c1, c2, c3
+        self.knee = int(knee)
+        self.draft = {name: tuple(float(c) for c in coef) for name, coef in (draft or {}).items()}
+        self.reset_corrections()
+
+    def reset_corrections(self) -> None:
+        self.target_factor = [1.0, [1.0] * BUCKETS]  # global, per bucket of n
+        self.draft_factor: dict[str, list] = {name: [1.0, [1.0] * BUCKETS] for name in self.draft}
+
+    # ------------------------------------------------------------------------------ prediction
+    def base_target_time(self, rows: int, tokens_per_row: int, context: int) -> float:
+        c0, c1, c2, c3 = self.target
+        n = rows * tokens_per_row
+        return max(1e-6, c0 + c1 * max(0, n - self.knee) + c2 * n + c3 * rows * context)
+
+    def base_draft_time(self, proposer: str, rows: int, context: int) -> float:
+        d0, d1, d2 = self.draft.get(proposer, (0.0, 0.0, 0.0))
+        return d0 + d1 * rows + d2 * rows * context if rows > 0 else 0.0
+
+    def target_time(self, rows: int, tokens_per_row: int, context: int) -> float:
+        g, buckets = self.target_factor
+        return (
+            self.base_target_time(rows, tokens_per_row, context) * g * buckets[_bucket(rows * tokens_per_row)]
+        )
+
+    def draft_time(self, proposer: str, rows: int, context: int) -> float:
+        base = self.base_draft_time(proposer, rows, context)
+        if base <= 0.0:
+            return 0.0
+        g, buckets = self.draft_factor.setdefault(proposer, [1.0, [1.0] * BUCKETS])
+        return base * g * buckets[_bucket(rows)]
+
+    def set_draft(self, proposer: str, coefficients: Sequence[float]) -> None:
+        """Set ``proposer``'s (d0, d1, d2) directly (e.g. 0s for a proposer known to be free)."""
+        d0, d1, d2 = (float(c) for c in coefficients)
+        self.draft[proposer] = (d0, d1, d2)
+        self.draft_factor[proposer] = [1.0, [1.0] * BUCKETS]
+
+    def draft_prefill_time(self, proposer: str, tokens: int) -> float:
+        """Admitting a request: the proposer reads ``tokens`` of context, one forward per chunk."""
+        return self.draft_time(proposer, 1, tokens) * math.ceil(max(0, tokens) / PREFILL_CHUNK)
+
+    # ------------------------------------------------------------------------------------- fit
+    def fit(self, samples: Sequence[TargetSample]) -> FittedCostModel:
+        """Fit the target's coefficients and knee to profiled samples; resets its corrections."""
+        data = np.asarray([s for s in samples if s[3] > 0], dtype=float).reshape(-1, 4)
+        if len(data) < 4:
+            raise ValueError(f"cost model fit needs >= 4 target samples with seconds > 0, got {len(data)}")
+        rows, tpr, ctx, y = data.T
+        n = rows * tpr
+        best = None
+        for knee in [k for k in KNEE_CANDIDATES if k < n.max()] or [int(n.max())]:
+            columns = [np.ones_like(n), np.maximum(0.0, n - knee), n, rows * ctx]
+            coef = _nonneg_lstsq(columns, y, drop_order=(3, 1))
+            pred = np.stack(columns, axis=1) @ coef
+            error = float(np.sum(((pred - y) / y) ** 2))
+            if best is None or error < best[0] - 1e-12:
+                best = (error, knee, coef)
+        _, self.knee, coef = best  # type: ignore[misc]
+        self.target = tuple(float(c) for c in coef)
+        self.target_factor = [1.0, [1.0] * BUCKETS]
+        return self
+
+    def fit_draft(self, proposer: str, samples: Sequence[DraftSample]) -> FittedCostModel:
+        """Fit ``proposer``'s draft step from (rows, context, seconds) samples."""
+        data = np.asarray([s for s in samples if s[2] > 0], dtype=float).reshape(-1, 3)
+        if len(data) < 1:
+            raise ValueError(f"cost model fit of {proposer!r} needs >= 1 draft sample with seconds > 0")
+        rows, ctx, y = data.T
+        coef = _nonneg_lstsq([np.ones_like(rows), rows, rows * ctx], y, drop_order=(2, 1))
+        self.draft[proposer] = tuple(float(c) for c in coef)
+        self.draft_factor[proposer] = [1.0, [1.0] * BUCKETS]
+        return self
+
+    # ------------------------------------------------------------------------ online correction
+    @staticmethod
+    def _correct(factor: list, bucket: int, base: float, seconds: float) -> None:
+        """Global factor towards measured / (base * global), then the bucket's on the rest."""
+
+        def step(value: float, ratio: float) -> float:
+            ratio = min(CLIP, max(1.0 / CLIP, ratio))
+            return min(FACTOR_BOUNDS[1], max(FACTOR_BOUNDS[0], value * ratio**ALPHA))
+
+        factor[0] = step(factor[0], seconds / (base * factor[0]))
+        factor[1][bucket] = step(factor[1][bucket], seconds / (base * factor[0] * factor[1][bucket]))
+
+    def observe_target(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
+        """A measured target forward; moves the prediction for its shape towards it."""
+        if rows > 0 and tokens_per_row > 0 and seconds > 0 and math.isfinite(seconds):
+            base = self.base_target_time(rows, tokens_per_row, context)
+            self._correct(self.target_factor, _bucket(rows * tokens_per_row), base, seconds)
+
+    def observe_draft(self, proposer: str, rows: int, context: int, seconds: float) -> None:
+        """A measured single-token draft step; an unknown proposer starts as constant-per-step."""
+        if rows <= 0 or seconds <= 0 or not math.isfinite(seconds):
+            return
+        if proposer not in self.draft:
+            self.draft[proposer] = (float(seconds), 0.0, 0.0)
+            self.draft_factor[proposer] = [1.0, [1.0] * BUCKETS]
+            return
+        base = self.base_draft_time(proposer, rows, context)
+        if base > 0:
+            self._correct(self.draft_factor[proposer], _bucket(rows), base, seconds)
+
+    def observe(self, outcome: Outcome) -> None:
+        """Both corrections from an engine step (draft seconds per step = total / steps)."""
+        rows = len(outcome.requests)
+        self.observe_target(rows, outcome.tokens_per_row, outcome.context, outcome.target_seconds)
+        for proposer, seconds in outcome.draft_seconds.items():
+            steps = outcome.draft_steps.get(proposer, 0)
+            used = sum(1 for r in outcome.requests if r.proposer == proposer and r.depth > 0)
+            if steps > 0 and used > 0:
+                self.observe_draft(proposer, used, outcome.context, seconds / steps)
+
+    # ---------------------------------------------------------------------- reports, persistence
+    def fit_report(
+        self,
+        held_out: Sequence[TargetSample],
+        draft_held_out: Mapping[str, Sequence[DraftSample]] | None = None,
+    ) -> dict:
+        """Predicted vs measured on samples not used to fit: per sample and mean/max abs % error."""
+
+        def summary(pairs: list[tuple[dict, float, float]]) -> dict:
+            samples = []
+            for shape, measured, predicted in pairs:
+                error = abs(predicted - measured) / measured * 100.0
+                samples.append(
+                    {**shape, "measured": measured, "predicted": predicted, "abs_pct_error": error}
+                )
+            errors = [s["abs_pct_error"] for s in samples]
+            return {
+                "n": len(samples),
+                "mean_abs_pct_error": float(np.mean(errors)) if errors else float("nan"),
+                "max_abs_pct_error": float(np.max(errors)) if errors else float("nan"),
+                "samples": samples,
+            }
+
+        report = summary(
+            [
+                ({"rows": r, "tokens_per_row": t, "context": c}, s, self.target_time(r, t, c))
+                for r, t, c, s in held_out
+                if s > 0
+            ]
+        )
+        if draft_held_out:
+            report["draft"] = {
+                name: summary(
+                    [({"rows": r, "context": c}, s, self.draft_time(name, r, c)) for r, c, s in rows if s > 0]
+                )
+                for name, rows in draft_held_out.items()
+            }
+        return report
+
+    def to_dict(self) -> dict:
+        """JSON-able coefficients and corrections (cached per (hardware, model) in shared stats)."""
+        return {
+            "version": 1,
+            "knee": self.knee,
+            "target": list(self.target),
+            "draft": {name: list(coef) for name, coef in self.draft.items()},
+            "target_factor": [self.target_factor[0], list(self.target_factor[1])],
+            "draft_factor": {name: [f[0], list(f[1])] for name, f in self.draft_factor.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> FittedCostModel:
+        if data.get("version") != 1:
+            raise ValueError(f"unsupported cost model version {data.get('version')!r}")
+        model = cls(data["target"], data["knee"], data.get("draft", {}))
+        if "target_factor" in data:
+            g, buckets = data["target_factor"]
+            model.target_factor = [float(g), [float(b) for b in buckets]]
+        for name, (g, buckets) in data.get("draft_factor", {}).items():
+            if name in model.draft:
+                model.draft_factor[name] = [float(g), [float(b) for b in buckets]]
+        return model

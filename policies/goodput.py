@@ -1,0 +1,261 @@
+"""``goodput`` (the default): per request, the proposer and depth that maximise the whole step's
+expected emitted tokens per second.
+
+Model. Request i drafting k tokens with proposer p, whose conditional acceptances are
+a_1..a_k (``RequestView.acceptance[p]``; a missing estimate is ``default_acceptance``), emits
+
+    E_i(p, k) = 1 + sum_{j=1..k} prod_{m<=j} a_m        tokens on average (E = 1 when plain).
+
+The step costs one target forward over every row padded to the deepest draft, plus each
+proposer's draft steps (as many as its deepest row, each over all of its rows), plus the amortised
+draft prefill of requests that have not used that proposer yet:
+
+    T = target_time(B, 1 + max_i k_i, ctx) + sum_p (max_{i: p_i = p} k_i) * draft_time(p, n_p, ctx)
+        + sum_{i new to p_i} prefill_i * E_i / tokens_left_i
+
+with ctx the batch's mean context. A proposer new to a request must first read its whole context
+(context_len_i = prompt_len + generated, the prompt alone before the first token):
+prefill_i = cost.draft_prefill_time(p, context_len_i) if the cost model has that method, else
+draft_time(p, 1, context_len_i) * ceil(context_len_i / 64) (one memory-bound
+draft forward per 64 prompt tokens). Amortising over the ~tokens_left_i / E_i steps that remain is
+exact for one request: speculating wins iff (L / E) * T_spec + prefill < L * T_plain, i.e. iff
+E / (T_spec + prefill * E / L) > 1 / T_plain. So a long prompt with few tokens left stays plain.
+The objective is sum_i E_i / T; the best all-plain plan must be beaten by a factor ``1 + margin``.
+
+Search (deterministic, O(K * 2^P * B * P) with K <= max depth, P <= 3 proposers):
+1. for every width K = 1..max cap and every non-empty set S of proposers: each request takes the
+   option of S (at depth min(K, its cap)) or plain that is best for it, weighing seconds by the
+   all-plain rate (its own prefill and its marginal draft rows); the plan's exact objective is kept
+   if it is the best so far (K = 0, all plain, is the first candidate). Widths stop early once
+   every request's best tokens over the target forward alone cannot beat the best plan (the
+   forward's time does not shrink as the width grows);
+2. local search on the best plan: move single requests to plain or to another proposer, then lower
+   each proposer's depth, while the exact objective improves.
+It goes to plain by itself when the forward is compute-bound (heavy batch), acceptance is low, few
+tokens are left, or the draft prefill would not be repaid. Overrides: see ``policies.limits``;
+a forced proposer speculates at depth >= 1 (it never competes with plain).
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import combinations
+
+from policies.base import CostModel, Decision, Outcome, StepView
+from policies.limits import allowed_proposers, clamp, depth_cap, forced_proposer
+from policies.registry import PolicyConfig, register_policy
+
+PREFILL_CHUNK = 64
+Choice = tuple[str | None, int]  # one request's (proposer, depth)
+PLAIN: Choice = (None, 0)
+
+
+def expected_tokens(acceptance: tuple[float, ...], depth: int, default: float) -> list[float]:
+    """E at depths 0..depth: 1 + sum of the products of conditional acceptances (last repeats)."""
+    out, run, prod = [1.0], 1.0, 1.0
+    for j in range(depth):
+        rate = acceptance[j] if j < len(acceptance) else (acceptance[-1] if acceptance else default)
+        prod *= min(1.0, max(0.0, rate))
+        run += prod
+        out.append(run)
+    return out
+
+
+def prefill_seconds(cost: CostModel, proposer: str, tokens: int) -> float:
+    method = getattr(cost, "draft_prefill_time", None)
+    if method is not None:
+        return float(method(proposer, tokens))
+    return cost.draft_time(proposer, 1, tokens) * math.ceil(tokens / PREFILL_CHUNK)
+
+
+class _Step:
+    """One step's options per request: expected tokens and amortised prefill by proposer and depth."""
+
+    def __init__(self, step: StepView, admitted: set[tuple[str, str]], limit: int, default: float) -> None:
+        self.cost, self.rows = step.cost, step.batch_size
+        self.ctx = round(sum(r.context_len for r in step.requests) / max(1, step.batch_size))
+        self.caps = [depth_cap(r, step, limit) for r in step.requests]
+        self.forced = [
+            forced_proposer(r) if c > 0 else None for r, c in zip(step.requests, self.caps, strict=True)
+        ]
+        self.tokens: list[dict[str, list[float]]] = []  # [i][p][k]: E_i(p, k)
+        self.prefill: list[dict[str, list[float]]] = []  # [i][p][k]: amortised prefill seconds
+        for request, cap in zip(step.requests, self.caps, strict=True):
+            tokens, prefill = {}, {}
+            for p in allowed_proposers(request, step) if cap > 0 else ():
+                tokens[p] = expected_tokens(request.acceptance.get(p, ()), cap, default)
+                seconds = (
+                    0.0
+                    if (request.request_id, p) in admitted
+                    else prefill_seconds(self.cost, p, request.context_len)
+                )
+                prefill[p] = [seconds * e / max(1, request.tokens_left) for e in tokens[p]]
+            self.tokens.append(tokens)
+            self.prefill.append(prefill)
+        # Per proposer: how many requests may use it (a request's marginal draft rows, step 1).
+        self.crowd = {p: sum(p in t for t in self.tokens) for p in step.proposers}
+        self._target: dict[int, float] = {}
+        self._draft: dict[tuple[str, int], float] = {}
+
+    def target(self, width: int) -> float:
+        if width not in self._target:
+            self._target[width] = self.cost.target_time(self.rows, width, self.ctx)
+        return self._target[width]
+
+    def draft(self, proposer: str, rows: int) -> float:
+        if (proposer, rows) not in self._draft:
+            self._draft[(proposer, rows)] = self.cost.draft_time(proposer, rows, self.ctx)
+        return self._draft[(proposer, rows)]
+
+    def option(self, i: int, proposers: tuple[str, ...], width: int, rate: float) -> Choice:
+        """Request i's best choice among ``proposers`` at min(width, cap) and plain (search step 1)."""
+        forced = self.forced[i]
+        if forced is not None:
+            return (forced, max(1, min(width, self.caps[i]))) if forced in self.tokens[i] else PLAIN
+        best, best_value = PLAIN, 1.0
+        depth = min(width, self.caps[i])
+        for p in proposers:
+            if depth <= 0 or p not in self.tokens[i]:
+                continue
+            crowd = self.crowd[p]
+            marginal = depth * (self.draft(p, crowd) - (self.draft(p, crowd - 1) if crowd > 1 else 0.0))
+            value = self.tokens[i][p][depth] - rate * (self.prefill[i][p][depth] + marginal)
+            if value > best_value + 1e-12:
+                best, best_value = (p, depth), value
+        return best
+
+
+class _Plan:
+    """A choice per request, with running totals so that moving one request costs O(P * depth)."""
+
+    def __init__(self, s: _Step, choices: list[Choice]) -> None:
+        self.s, self.choices = s, list(choices)
+        self.tokens = self.prefill = 0.0
+        self.depths = {p: [0] * (max(s.caps) + 2) for p in s.crowd}  # [p][k]: requests at depth k
+        self.rows = dict.fromkeys(s.crowd, 0)
+        for i, choice in enumerate(self.choices):
+            self._account(i, choice, 1)
+
+    def _account(self, i: int, choice: Choice, sign: int) -> None:
+        p, k = choice
+        if p is None:
+            self.tokens += sign
+            return
+        self.tokens += sign * self.s.tokens[i][p][k]
+        self.prefill += sign * self.s.prefill[i][p][k]
+        self.depths[p][k] += sign
+        self.rows[p] += sign
+
+    def value(self) -> float:
+        """Expected tokens per second of the step (the objective)."""
+        seconds, width = self.prefill, 0
+        for p, rows in self.rows.items():
+            if rows:
+                counts = self.depths[p]
+                deepest = next(k for k in range(len(counts) - 1, 0, -1) if counts[k])
+                width = max(width, deepest)
+                seconds += deepest * self.s.draft(p, rows)
+        return self.tokens / (seconds + self.s.target(1 + width))
+
+    def move(self, i: int, choice: Choice) -> None:
+        self._account(i, self.choices[i], -1)
+        self.choices[i] = choice
+        self._account(i, choice, 1)
+
+
+class GoodputPolicy:
+    name = "goodput"
+
+    def __init__(self, max_depth: int, default_acceptance: float = 0.5, margin: float = 0.02) -> None:
+        self.max_depth = max_depth
+        self.default_acceptance = default_acceptance
+        self.margin = margin
+        self.admitted: set[tuple[str, str]] = set()  # (request id, proposer) that paid the prefill
+
+    def decide(self, step: StepView) -> list[Decision]:
+        ids = {r.request_id for r in step.requests}
+        self.admitted = {key for key in self.admitted if key[0] in ids}
+        if not step.requests:
+            return []
+        plan = self.plan(step)
+        return [
+            clamp(Decision(p, k), r, step, self.max_depth)
+            for r, (p, k) in zip(step.requests, plan, strict=True)
+        ]
+
+    def plan(self, step: StepView) -> list[Choice]:
+        """Per request (proposer, depth); see the module docstring for the search."""
+        s = _Step(step, self.admitted, self.max_depth, self.default_acceptance)
+        used = tuple(p for p in step.proposers if s.crowd[p] > 0)
+        rate = step.batch_size / s.target(1)
+        baseline = _Plan(s, [s.option(i, (), 0, rate) for i in range(s.rows)])  # plain, but forced rows
+        best, best_value = baseline, baseline.value() * (1.0 + self.margin)
+        # No plan of width >= K beats best_value if even every request's best possible tokens over
+        # the target forward alone (which grows with the width) do not: the search stops there.
+        ceiling = sum(max((t[-1] for t in tokens.values()), default=1.0) for tokens in s.tokens)
+        for width in range(1, max(s.caps) + 1):
+            if ceiling / s.target(1 + width) <= best_value:
+                break
+            for size in range(1, len(used) + 1):
+                for subset in combinations(used, size):
+                    plan = _Plan(s, [s.option(i, subset, width, rate) for i in range(s.rows)])
+                    value = plan.value()
+                    if value > best_value + 1e-12:
+                        best, best_value = plan, value
+        best = _Plan(s, best.choices)
+        self._refine(s, best)
+        if best.value() < baseline.value() * (1.0 + self.margin):
+            return baseline.choices
+        return best.choices
+
+    @staticmethod
+    def _refine(s: _Step, plan: _Plan) -> None:
+        """Search step 2: move single requests, then lower each proposer's depth, while it improves."""
+        value = plan.value()
+        width = max(1, max(k for _, k in plan.choices))
+        for _ in range(2):
+            moved = False
+            for i in range(s.rows):
+                choices = [] if s.forced[i] is not None else [PLAIN]
+                choices += [(p, min(width, s.caps[i])) for p in s.tokens[i]]
+                for choice in choices:
+                    if choice == plan.choices[i]:
+                        continue
+                    current = plan.choices[i]
+                    plan.move(i, choice)
+                    trial = plan.value()
+                    if trial > value + 1e-12:
+                        value, moved = trial, True
+                    else:
+                        plan.move(i, current)
+            if not moved:
+                break
+        for proposer in [p for p in s.crowd if plan.rows[p]]:
+            before = list(plan.choices)
+            best_depth = deepest = max(k for p, k in before if p == proposer)
+            for depth in range(deepest - 1, 0, -1):
+                for i, (p, k) in enumerate(before):
+                    if p == proposer and k > depth:
+                        plan.move(i, (p, depth))
+                trial = plan.value()
+                if trial > value + 1e-12:
+                    value, best_depth = trial, depth
+            for i, (p, k) in enumerate(before):
+                plan.move(i, (p, min(k, best_depth)) if p == proposer else (p, k))
+
+    def observe(self, outcome: Outcome) -> None:
+        for r in outcome.requests:
+            if r.proposer is not None and r.depth > 0:
+                self.admitted.add((r.request_id, r.proposer))
+
+
+@register_policy("goodput", "per request proposer and depth maximising the step's expected tokens per second")
+def _build(config: PolicyConfig) -> GoodputPolicy:
+    config.check_params("goodput", ("default_acceptance", "margin"))
+    default = float(config.params.get("default_acceptance", 0.5))  # type: ignore[arg-type]
+    margin = float(config.params.get("margin", 0.02))  # type: ignore[arg-type]
+    if not 0.0 <= default <= 1.0 or margin < 0.0:
+        raise ValueError(
+            f"goodput: default_acceptance must be in [0, 1] and margin >= 0: {default}, {margin}"
+        )
+    return GoodputPolicy(config.max_depth, default, margin)

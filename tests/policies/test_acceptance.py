@@ -1,0 +1,116 @@
+"""AcceptanceEstimator: conditional acceptance per position, per request, pooled per workload."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies import AcceptanceEstimator, Outcome, RequestOutcome
+from policies.acceptance import PositionCounts
+
+
+def test_priors_default_and_lookup_order():
+    est = AcceptanceEstimator(
+        {("draft", "code"): (0.9, 0.8), ("ngram", "*"): (0.3,), ("pairA", "draft", "prose"): (0.5,)},
+        model_pair="pairA",
+        default=0.7,
+        decay=0.5,
+        max_depth=4,
+    )
+    assert est.estimate("r", "draft", 4, workload="code") == (0.9, 0.8, 0.8, 0.8)
+    assert est.estimate("r", "draft", 2, workload="prose") == (0.5, 0.5)
+    assert est.estimate("r", "ngram", 3, workload="json") == (0.3, 0.3, 0.3)
+    assert est.estimate("r", "medusa", 3) == (0.7, 0.35, 0.175)
+    assert est.estimate("r", "draft", 6, workload="code")[-1] == 0.8  # longer than max_depth: repeats
+    other = AcceptanceEstimator(
+        {("pairB", "draft", "prose"): (0.5,)}, model_pair="pairA", default=0.6, decay=1
+    )
+    assert other.estimate("r", "draft", 1, workload="prose") == (0.6,)
+
+
+def test_only_positions_judged_on_their_own_merit_are_updated():
+    est = AcceptanceEstimator(
+        default=0.5, decay=1.0, alpha=0.5, prior_weight=1.0, pool_alpha=0.1, max_depth=6
+    )
+    est.start("r", "code")
+    est.update("r", "draft", drafted=5, accepted=2)  # positions 0, 1 accepted; 2 rejected; 3, 4 unknown
+    assert est.estimate("r", "draft", 6) == (0.75, 0.75, 0.25, 0.5, 0.5, 0.5)
+    est.update("r", "draft", drafted=2, accepted=2)  # all accepted: no rejection observed
+    assert est.estimate("r", "draft", 3) == (0.875, 0.875, 0.25)
+    est.update("r", "draft", drafted=0, accepted=0)  # no draft: nothing learned
+    assert est.estimate("r", "draft", 1) == (0.875,)
+
+
+def test_conditional_rates_converge_to_the_truth():
+    rng = random.Random(0)
+    truth = (0.9, 0.6, 0.8, 0.3)
+    est = AcceptanceEstimator(default=0.5, max_depth=8, alpha=0.005)
+    for _ in range(4000):
+        accepted = 0
+        while accepted < 4 and rng.random() < truth[accepted]:
+            accepted += 1
+        est.update("r", "draft", 4, accepted, workload="code")
+    assert est.estimate("r", "draft", 4) == pytest.approx(truth, abs=0.05)
+
+
+def test_warm_start_then_fixed_step():
+    est = AcceptanceEstimator(default=0.5, decay=1.0, alpha=0.1, prior_weight=4.0, pool_alpha=0.01)
+    est.update("r", "draft", 1, 1)  # first observation: step 1 / (1 + 4)
+    assert est.estimate("r", "draft", 1) == (pytest.approx(0.6),)
+    for _ in range(20):
+        est.update("r", "draft", 1, 0)
+    expected = 0.6
+    for seen in range(2, 22):  # step 1 / (seen + 4) until it falls to alpha
+        expected -= max(0.1, 1 / (seen + 4)) * expected
+    assert est.estimate("r", "draft", 1) == (pytest.approx(expected),)
+
+
+def test_a_new_request_starts_from_its_workload_pool():
+    est = AcceptanceEstimator(default=0.5, decay=1.0, pool_alpha=0.2)
+    for i in range(30):
+        est.update(f"old{i}", "draft", 3, 3, workload="code")
+    code = est.estimate("new", "draft", 3, workload="code")
+    assert all(rate > 0.95 for rate in code)
+    assert est.estimate("new", "draft", 1, workload="prose") == (0.5,)
+    assert est.prior("draft", "code")[:3] == code
+    est.set_prior("draft", "code", (0.4,))  # fresh shared stats replace the pool
+    assert est.prior("draft", "code")[0] == 0.4
+
+
+def test_forget_retain_and_estimates_per_proposer():
+    est = AcceptanceEstimator(default=0.5, decay=1.0, alpha=0.5, pool_alpha=0.01)
+    for rid in ("a", "b", "c"):
+        est.update(rid, "draft", 1, 1, workload="code")
+    est.forget("a")
+    est.retain(["b"])
+    assert set(est._rates) == {"b"} and set(est._workload) == {"b"}
+    rates = est.estimates("b", ("draft", "ngram"), 2)
+    assert set(rates) == {"draft", "ngram"} and rates["draft"][0] > rates["ngram"][0]
+
+
+def test_observe_outcome_and_drain_counts():
+    est = AcceptanceEstimator(max_depth=8)
+    rows = (
+        RequestOutcome("a", "code", "draft", 4, 4, 2, 3),
+        RequestOutcome("b", "code", "draft", 3, 3, 3, 4),
+        RequestOutcome("c", "prose", "ngram", 2, 2, 0, 1),
+        RequestOutcome("d", "prose", None, 0, 0, 0, 1),
+    )
+    est.observe(Outcome(rows, 0.2, {}, {}, 5, 100, 0.3))
+    counts = est.drain_counts()
+    assert set(counts) == {("draft", "code"), ("ngram", "prose")}
+    code = counts[("draft", "code")]
+    assert code.drafted == [2, 2, 2, 1]
+    assert code.reached == [2, 2, 2, 0]  # a: rejected at position 2, so position 3 was never judged
+    assert code.accepted == [2, 2, 1, 0]
+    assert code.conditional() == (1.0, 1.0, 0.5, None)
+    assert counts[("ngram", "prose")] == PositionCounts([1, 1], [1, 0], [0, 0])
+    assert est.drain_counts() == {}
+
+
+def test_bad_parameters():
+    with pytest.raises(ValueError):
+        AcceptanceEstimator(alpha=0.0)
+    with pytest.raises(ValueError):
+        AcceptanceEstimator({("draft",): (0.5,)})
