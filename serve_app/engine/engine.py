@@ -17,8 +17,11 @@ from pathlib import Path
 
 import torch
 
+from policies import PolicyConfig, create_policy
+from policies.base import Decision
 from serve_app.engine.detokenizer import IncrementalDetokenizer
 from serve_app.engine.model import DecoderModel, read_generation_eos
+from serve_app.engine.planner import PlannedRequest, SpeculationPlanner, StatsSink
 from serve_app.engine.proposers import Draft, Proposer, ProposerContext, ProposeRow, create_proposer
 from serve_app.engine.request import Completion, Request, RequestOutput, SpecOverride
 from serve_app.engine.sampling import SamplingParams, make_generator
@@ -42,6 +45,8 @@ class EngineConfig:
     spec_depth: int = 4  # draft tokens per step
     max_depth: int = 16  # the most a request may ask for
     proposer_options: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    policy: str = "static"  # a registered policy name (`specserve policies`)
+    policy_params: Mapping[str, object] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,12 +55,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but CUDA is not available")
     return torch.device(name)
-
-
-@dataclass(frozen=True)
-class _Decision:
-    proposer: str | None
-    depth: int
 
 
 class SpecEngine:
@@ -68,6 +67,8 @@ class SpecEngine:
         config: EngineConfig,
         eos_ids: Sequence[int] = (),
         proposers: Mapping[str, Proposer] | None = None,
+        stats: StatsSink | None = None,
+        model_pair: str = "",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -80,6 +81,13 @@ class SpecEngine:
                 f"speculation method {config.spec_method!r} has no proposer loaded "
                 f"(loaded: {', '.join(self.proposers) or 'none'})"
             )
+        policy = create_policy(
+            config.policy,
+            PolicyConfig(config.spec_method, config.spec_depth, config.max_depth, config.policy_params),
+        )
+        self.planner = SpeculationPlanner(
+            policy, list(self.proposers), config.max_depth, config.spec_method, model_pair, stats=stats
+        )
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = frozenset(i for i in (*eos_ids, tokenizer_eos) if i is not None)
         self._ids = itertools.count()
@@ -127,6 +135,7 @@ class SpecEngine:
         params: SamplingParams,
         request_id: str | None = None,
         speculation: SpecOverride | None = None,
+        workload: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises ValueError for a request that can never run."""
         prompt_ids = list(prompt_ids)
@@ -161,6 +170,9 @@ class SpecEngine:
         )
         self.scheduler.add(request)  # may raise QueueFullError
         self._requests[request_id] = request
+        # The classifier reads text; the prompt's last few hundred tokens are plenty.
+        text = self.tokenizer.decode(prompt_ids[-512:], skip_special_tokens=True)
+        self.planner.admit(request_id, text, workload)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -193,21 +205,13 @@ class SpecEngine:
         result = verify(logits, [[]], [None], [request.params], [request.generator])
         return self._emit(request, result.tokens[0])
 
-    def _decide(self, request: Request) -> _Decision:
-        """This step's (proposer, depth) for a request: config, the request's override, limits."""
-        mode = request.speculation.mode
-        name = None if mode == "off" else (self.config.spec_method if mode == "auto" else mode)
-        if name is None:
-            return _Decision(None, 0)
-        depth = min(self.config.spec_depth, self.config.max_depth)
-        if request.speculation.max_depth is not None:
-            depth = min(depth, request.speculation.max_depth)
-        # Never draft past max_tokens (the target adds one token of its own) or past the cache.
-        depth = min(depth, request.tokens_left - 1, self.config.max_seq_len - request.num_tokens)
-        return _Decision(name, depth) if depth > 0 else _Decision(None, 0)
-
-    def _draft(self, requests: list[Request], decisions: list[_Decision]) -> list[Draft]:
+    def _draft(
+        self, requests: list[Request], decisions: list[Decision]
+    ) -> tuple[list[Draft], dict[str, float], dict[str, int]]:
+        """Each proposer drafts for its rows; also its time (admission prefill excluded) and steps."""
         drafts = [Draft(tokens=[]) for _ in requests]
+        seconds: dict[str, float] = {}
+        steps: dict[str, int] = {}
         groups: dict[str, list[int]] = {}
         for i, decision in enumerate(decisions):
             if decision.proposer is not None:
@@ -222,13 +226,31 @@ class SpecEngine:
                     request.proposers_admitted.add(name)
                 rows.append(ProposeRow(request.slot, request.prompt_ids + request.output_ids,
                                        decisions[i].depth, request.params, request.generator))  # fmt: skip
+            start = time.perf_counter()
             for i, draft in zip(indices, proposer.propose(rows), strict=True):
                 drafts[i] = draft
-        return drafts
+            seconds[name] = time.perf_counter() - start
+            steps[name] = max(len(drafts[i].tokens) for i in indices)
+        return drafts, seconds, steps
+
+    def _planned(self, request: Request) -> PlannedRequest:
+        return PlannedRequest(
+            request_id=request.request_id,
+            prompt_len=len(request.prompt_ids),
+            generated=len(request.output_ids),
+            tokens_left=request.tokens_left,
+            temperature=request.params.temperature,
+            mode=request.speculation.mode,
+            max_depth=request.speculation.max_depth,
+            room=self.config.max_seq_len - request.num_tokens,
+        )
 
     def _decode(self, requests: list[Request]) -> list[RequestOutput]:
-        decisions = [self._decide(r) for r in requests]
-        drafts = self._draft(requests, decisions)
+        step_start = time.perf_counter()
+        planned = [self._planned(r) for r in requests]
+        decisions = self.planner.decide(planned, self.scheduler.num_waiting)
+        drafts, draft_seconds, draft_steps = self._draft(requests, decisions)
+        target_start = time.perf_counter()
         width = 1 + max(len(d.tokens) for d in drafts)
         tokens = torch.zeros(len(requests), width, dtype=torch.long)  # [B, 1 + K], right-padded
         for b, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
@@ -239,6 +261,7 @@ class SpecEngine:
         logits = self.model.logits(hidden)  # [B, 1 + K, V]
         result = verify(logits, [d.tokens for d in drafts], [d.probs for d in drafts],
                         [r.params for r in requests], [r.generator for r in requests])  # fmt: skip
+        target_seconds = time.perf_counter() - target_start
         outputs = []
         for request, decision, draft, accepted, emitted in zip(
             requests, decisions, drafts, result.num_accepted, result.tokens, strict=True
@@ -251,6 +274,11 @@ class SpecEngine:
             output = self._emit(request, emitted)
             step = {"step_proposer": decision.proposer, "step_drafted": len(draft.tokens)}
             outputs.append(replace(output, step_accepted=accepted, **step))
+        self.planner.observe(
+            planned, decisions, [len(d.tokens) for d in drafts], result.num_accepted,
+            [len(o.new_token_ids) for o in outputs], target_seconds, draft_seconds, draft_steps,
+            time.perf_counter() - step_start,
+        )  # fmt: skip
         return outputs
 
     def _emit(self, request: Request, tokens: list[int]) -> RequestOutput:
@@ -291,6 +319,7 @@ class SpecEngine:
         for name in request.proposers_admitted:
             self.proposers[name].release(slot)
         request.proposers_admitted.clear()
+        self.planner.finish(request.request_id)
         self._requests.pop(request.request_id, None)
 
     # ----------------------------------------------------------------------------- helpers

@@ -1,0 +1,158 @@
+"""SpeculationPlanner: asks the policy for each running request's (proposer, depth), and learns.
+
+The scheduler decides who runs; the planner decides how each running request decodes this step.
+It owns what a policy needs and the engine must not know about: the acceptance estimator (per
+request, seeded with priors per (model pair, proposer, workload) from the shared statistics), the
+cost model (profiled at start, corrected online from measured step times) and each request's
+workload class. After every step it turns the measurements into an ``Outcome`` for the policy, the
+estimator and the cost model, and into counts for the shared statistics sink.
+
+The stats sink is anything with ``record(key, drafted, accepted)`` and ``priors(key)``, keys being
+``(model_pair, proposer, workload)`` tuples: the serving layer passes an adapter over Redis-backed
+``serve_app.stats.SharedStats``; the engine itself never imports Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from policies import AcceptanceEstimator, FittedCostModel, Policy, classify
+from policies.base import Decision, Outcome, RequestOutcome, RequestView, StepView
+
+log = logging.getLogger(__name__)
+
+StatsKey = tuple[str, str, str]  # (model pair, proposer, workload)
+
+
+class StatsSink(Protocol):
+    """Where acceptance counts go and priors come from (O(1), never blocking)."""
+
+    def record(self, key: StatsKey, drafted: int, accepted: int) -> None: ...
+
+    def priors(self, key: StatsKey) -> tuple[float, ...] | None: ...
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """What the planner needs of a running request (the engine's Request has all of it)."""
+
+    request_id: str
+    prompt_len: int
+    generated: int
+    tokens_left: int
+    temperature: float
+    mode: str
+    max_depth: int | None
+    room: int  # draft tokens the KV cache can still take for this request
+
+
+class SpeculationPlanner:
+    """Policy + acceptance estimates + cost model for one engine."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        proposers: Sequence[str],
+        max_depth: int,
+        default_method: str | None,
+        model_pair: str = "",
+        cost: FittedCostModel | None = None,
+        stats: StatsSink | None = None,
+    ) -> None:
+        self.policy = policy
+        self.proposers = tuple(proposers)
+        self.max_depth = max_depth
+        self.default_method = default_method
+        self.model_pair = model_pair
+        self.cost = cost or FittedCostModel()
+        self.stats = stats
+        self.estimator = AcceptanceEstimator(model_pair=model_pair or None, max_depth=max(1, max_depth))
+        self._workload: dict[str, str] = {}
+
+    # ----------------------------------------------------------------------------- requests
+    def admit(self, request_id: str, prompt_text: str, tag: str | None = None) -> str:
+        """Classify the request's workload and seed its estimates with the cluster's priors."""
+        workload = classify(prompt_text, tag)
+        self._workload[request_id] = workload
+        self.estimator.start(request_id, workload)
+        if self.stats is not None:
+            for proposer in self.proposers:
+                rates = self.stats.priors((self.model_pair, proposer, workload))
+                if rates:
+                    self.estimator.set_prior(proposer, workload, rates)
+        return workload
+
+    def finish(self, request_id: str) -> None:
+        self._workload.pop(request_id, None)
+        self.estimator.forget(request_id)
+
+    # ----------------------------------------------------------------------------- deciding
+    def decide(self, requests: Sequence[PlannedRequest], queue_depth: int) -> list[Decision]:
+        views = tuple(self._view(r) for r in requests)
+        step = StepView(views, queue_depth, self.proposers, self.max_depth, self.cost)
+        decisions = self.policy.decide(step)
+        if len(decisions) != len(requests):
+            raise RuntimeError(
+                f"policy {self.policy.name} returned {len(decisions)} decisions for {len(requests)}"
+            )
+        # The policy cannot see the KV cache; a draft never runs past the request's room.
+        return [
+            d if d.depth <= r.room else (Decision(d.proposer, r.room) if r.room > 0 else Decision.plain())
+            for d, r in zip(decisions, requests, strict=True)
+        ]
+
+    def _view(self, r: PlannedRequest) -> RequestView:
+        mode = r.mode
+        if mode == "auto" and self.default_method is None:
+            mode = "off"  # the server speculates for nobody unless asked
+        return RequestView(
+            request_id=r.request_id,
+            prompt_len=r.prompt_len,
+            generated=r.generated,
+            tokens_left=r.tokens_left,
+            temperature=r.temperature,
+            workload=self._workload.get(r.request_id, "prose"),
+            acceptance=self.estimator.estimates(r.request_id, self.proposers, self.max_depth),
+            override_mode=mode,
+            override_max_depth=r.max_depth,
+        )
+
+    # ----------------------------------------------------------------------------- learning
+    def observe(
+        self,
+        requests: Sequence[PlannedRequest],
+        decisions: Sequence[Decision],
+        drafted: Sequence[int],
+        accepted: Sequence[int],
+        emitted: Sequence[int],
+        target_seconds: float,
+        draft_seconds: dict[str, float],
+        draft_steps: dict[str, int],
+        step_seconds: float,
+    ) -> None:
+        outcomes = tuple(
+            RequestOutcome(
+                r.request_id, self._workload.get(r.request_id, "prose"), d.proposer, d.depth, n, a, e
+            )
+            for r, d, n, a, e in zip(requests, decisions, drafted, accepted, emitted, strict=True)
+        )
+        context = sum(r.prompt_len + r.generated for r in requests) // max(1, len(requests))
+        outcome = Outcome(
+            requests=outcomes,
+            target_seconds=target_seconds,
+            draft_seconds=draft_seconds,
+            draft_steps=draft_steps,
+            tokens_per_row=1 + max(drafted, default=0),
+            context=context,
+            step_seconds=step_seconds,
+        )
+        self.estimator.observe(outcome)
+        self.cost.observe(outcome)
+        self.policy.observe(outcome)
+        if self.stats is not None:
+            for o in outcomes:
+                if o.proposer is not None and o.drafted:
+                    self.stats.record((self.model_pair, o.proposer, o.workload), o.drafted, o.accepted)
