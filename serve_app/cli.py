@@ -29,7 +29,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     if getattr(args, "draft", None):
         model["draft"] = args.draft
     speculation = base.speculation.model_dump()
-    for key in ("method", "depth"):
+    for key in ("method", "depth", "policy"):
         if getattr(args, key, None) is not None:
             speculation[key] = getattr(args, key)
     return Settings(**{**base.model_dump(), "runtime": runtime, "model": model, "speculation": speculation})
@@ -84,6 +84,8 @@ def engine_config(settings: Settings, max_slots: int | None = None) -> EngineCon
         spec_depth=spec.depth,
         max_depth=spec.max_depth,
         proposer_options=options,
+        policy=spec.policy,
+        policy_params=dict(spec.policy_params),
     )
 
 
@@ -130,6 +132,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if stats is not None and stats.drafted:
         print(f"[speculation: {json.dumps(stats.as_dict())}]", file=sys.stderr)
+    return 0
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    from policies import DEFAULT_POLICY, registered_policies
+
+    for name, description in registered_policies().items():
+        default = " (default)" if name == DEFAULT_POLICY else ""
+        print(f"{name:16s} {description}{default}")
     return 0
 
 
@@ -266,7 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", help="draft model for --method draft (default: settings)")
     gen.add_argument("--method", choices=["off", "draft", "ngram"], help="speculation (default: settings)")
     gen.add_argument("--depth", type=int, help="draft tokens per step (default: settings)")
+    gen.add_argument("--policy", help="speculation policy (`specserve policies`; default: settings)")
     gen.set_defaults(func=cmd_generate)
+
+    policies_cmd = sub.add_parser("policies", help="list the registered speculation policies")
+    policies_cmd.set_defaults(func=cmd_policies)
 
     models = sub.add_parser("models", help="list, fetch or locate model packs")
     msub = models.add_subparsers(dest="action", required=True)

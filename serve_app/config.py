@@ -65,6 +65,15 @@ class SpeculationSettings(_Section):
         "draft",
         description="Proposer for requests that leave speculation to the server ('auto'); off = plain.",
     )
+    policy: str = Field(
+        "goodput", description="Who decides each request's proposer and depth (`specserve policies`)."
+    )
+    policy_params: dict[str, Any] = Field(
+        default_factory=dict, description="Policy-specific knobs, e.g. {'table': {1: 6, 8: 2}}."
+    )
+    profile_cost_model: bool = Field(
+        True, description="Time the models when a replica starts (a few seconds) to fit the cost model."
+    )
     depth: int = Field(6, ge=1, le=32, description="Draft tokens proposed per step.")
     max_depth: int = Field(16, ge=1, le=32, description="The deepest speculation a request may ask for.")
     draft_int8: bool = Field(

@@ -41,10 +41,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import platform
 import queue as queue_mod
+import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from serve_app.engine.request import RequestOutput
 from serve_app.engine.scheduler import QueueFullError
 from serve_app.generation import EngineInfo, GenerateChunk, GenerateError, GenerateRequest
+from serve_app.stats import EngineStatsSink, SharedStats
 
 if TYPE_CHECKING:
     from serve_app.config import Settings
@@ -166,6 +170,35 @@ class _RequestTrace:
             self._recorder.finish(stats, reason, error=error, end_time=end_ns)
 
 
+COSTED_POLICIES = ("goodput", "bandit")  # policies that read the cost model
+
+
+def load_or_profile_cost_model(engine: Any, stats: SharedStats, model: str, threads: int) -> None:
+    """Take the cluster's cost model for this hardware and model pair, or profile one and share it."""
+    from policies import FittedCostModel
+
+    hardware = f"{platform.machine()}-{_cpu_name()}-{threads}t-{engine.model.dtype}"
+    cached = stats.get_cost_model(hardware, model)
+    if cached:
+        engine.planner.cost = FittedCostModel.from_dict(cached)
+        return
+    started = time.perf_counter()
+    cost = engine.profile_cost_model()
+    log.info("profiled the cost model in %.1f s", time.perf_counter() - started)
+    stats.put_cost_model(hardware, model, cost.to_dict())
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip().replace(" ", "_")
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
 class AsyncEngine:
     """The engine as an ``EngineClient``: async streaming over a dedicated loop thread."""
 
@@ -196,6 +229,7 @@ class AsyncEngine:
         self._commands: queue_mod.SimpleQueue[tuple[str, Any]] = queue_mod.SimpleQueue()
         self._wake = threading.Condition()
         self._stopping = False
+        self.on_shutdown: list[Callable[[], None]] = []  # closed after the loop stops (stats, ...)
         self._streams: dict[str, _Stream] = {}  # loop thread only
         # Published by the loop thread, read by anyone.
         self._busy_since: float | None = None  # monotonic start of the running loop iteration
@@ -227,11 +261,17 @@ class AsyncEngine:
         threads = settings.runtime.threads or max(1, int(settings.autoscaling.replica_num_cpus))
         torch.set_num_threads(threads)
         path = _store(settings).resolve(settings.model.target)
+        config = engine_config(settings)
+        stats = SharedStats(settings.stats, replica_id=f"{socket.gethostname()}-{os.getpid()}")
+        stats.start()
+        pair = f"{settings.model.target}|{settings.model.draft if config.spec_method == 'draft' else '-'}"
         engine = SpecEngine.from_path(
-            path, engine_config(settings), settings.runtime.dtype, settings.runtime.device
+            path, config, settings.runtime.dtype, settings.runtime.device, EngineStatsSink(stats), pair
         )
+        if settings.speculation.profile_cost_model and settings.speculation.policy in COSTED_POLICIES:
+            load_or_profile_cost_model(engine, stats, pair, threads)
         name = served_model_name(settings)
-        return cls(
+        instance = cls(
             engine,
             model_name=name,
             max_tokens_limit=settings.server.max_tokens_limit,
@@ -240,6 +280,8 @@ class AsyncEngine:
             tracer=tracer,
             threads=threads,
         )
+        instance.on_shutdown.append(stats.close)
+        return instance
 
     # ------------------------------------------------------------------------------ EngineClient
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -323,6 +365,8 @@ class AsyncEngine:
             self._wake.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        while self.on_shutdown:
+            self.on_shutdown.pop()()
 
     # ------------------------------------------------------------------------------ consumer side
     def _submit(self, kind: str, payload: Any) -> None:

@@ -629,3 +629,18 @@ class SharedStats:
             "tokens_per_s": number("tokens_per_s", float),
             "updated": number("updated", float),
         }
+
+
+class EngineStatsSink:
+    """The engine's view of ``SharedStats`` (``serve_app.engine.planner.StatsSink``): tuple keys,
+    one draft at a time; every call is O(depth) and never touches the network."""
+
+    def __init__(self, stats: SharedStats) -> None:
+        self.stats = stats
+
+    def record(self, key: tuple[str, str, str], drafted: int, accepted: int) -> None:
+        drafted_pp, accepted_pp = position_counts(drafted, accepted)
+        self.stats.record(AcceptanceKey(*key), drafted_pp, accepted_pp, 1)
+
+    def priors(self, key: tuple[str, str, str]) -> tuple[float, ...] | None:
+        return self.stats.priors(AcceptanceKey(*key))

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import torch
 
-from policies import PolicyConfig, create_policy
+from policies import FittedCostModel, PolicyConfig, create_policy
 from policies.base import Decision
 from serve_app.engine.detokenizer import IncrementalDetokenizer
 from serve_app.engine.model import DecoderModel, read_generation_eos
 from serve_app.engine.planner import PlannedRequest, SpeculationPlanner, StatsSink
+from serve_app.engine.profiling import profile_cost_model
 from serve_app.engine.proposers import Draft, Proposer, ProposerContext, ProposeRow, create_proposer
+from serve_app.engine.proposers.draft_model import DraftModelProposer
 from serve_app.engine.request import Completion, Request, RequestOutput, SpecOverride
 from serve_app.engine.sampling import SamplingParams, make_generator
 from serve_app.engine.scheduler import Scheduler
@@ -100,6 +102,8 @@ class SpecEngine:
         config: EngineConfig | None = None,
         dtype: str = "bfloat16",
         device: str = "auto",
+        stats: StatsSink | None = None,
+        model_pair: str = "",
     ) -> SpecEngine:
         """Load a model folder (as resolved by the model store) with its tokenizer."""
         from transformers import AutoTokenizer
@@ -111,7 +115,14 @@ class SpecEngine:
         proposers = {}
         for name, options in config.proposer_options.items():
             proposers[name] = create_proposer(name, ProposerContext(**{**vars(context), "options": options}))
-        return cls(model, tokenizer, config, read_generation_eos(path), proposers)
+        return cls(model, tokenizer, config, read_generation_eos(path), proposers, stats, model_pair)
+
+    def profile_cost_model(self, repeats: int = 2) -> FittedCostModel:
+        """Time the target and the draft models on free slots, fit the planner's cost model."""
+        models = {n: p for n, p in self.proposers.items() if isinstance(p, DraftModelProposer)}
+        drafts = {name: (p.model, p.cache) for name, p in models.items()}
+        self.planner.cost = profile_cost_model(self.model, self.cache, drafts, repeats)
+        return self.planner.cost
 
     # ----------------------------------------------------------------------------- requests
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:

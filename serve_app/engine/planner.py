@@ -71,6 +71,7 @@ class SpeculationPlanner:
         self.stats = stats
         self.estimator = AcceptanceEstimator(model_pair=model_pair or None, max_depth=max(1, max_depth))
         self._workload: dict[str, str] = {}
+        self._finished: set[str] = set()  # finished during a step; forgotten after its outcome
 
     # ----------------------------------------------------------------------------- requests
     def admit(self, request_id: str, prompt_text: str, tag: str | None = None) -> str:
@@ -86,11 +87,18 @@ class SpeculationPlanner:
         return workload
 
     def finish(self, request_id: str) -> None:
-        self._workload.pop(request_id, None)
-        self.estimator.forget(request_id)
+        """Forget the request once the current step's outcome has been observed."""
+        self._finished.add(request_id)
+
+    def _forget_finished(self) -> None:
+        for request_id in self._finished:
+            self._workload.pop(request_id, None)
+            self.estimator.forget(request_id)
+        self._finished.clear()
 
     # ----------------------------------------------------------------------------- deciding
     def decide(self, requests: Sequence[PlannedRequest], queue_depth: int) -> list[Decision]:
+        self._forget_finished()  # requests aborted between steps
         views = tuple(self._view(r) for r in requests)
         step = StepView(views, queue_depth, self.proposers, self.max_depth, self.cost)
         decisions = self.policy.decide(step)
@@ -156,3 +164,4 @@ class SpeculationPlanner:
             for o in outcomes:
                 if o.proposer is not None and o.drafted:
                     self.stats.record((self.model_pair, o.proposer, o.workload), o.drafted, o.accepted)
+        self._forget_finished()

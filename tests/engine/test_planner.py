@@ -1,0 +1,94 @@
+"""The engine under every registered policy: decisions change speed, never the output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policies import FittedCostModel, registered_policies
+from serve_app.config import StatsSettings
+from serve_app.engine.engine import EngineConfig, SpecEngine
+from serve_app.engine.model import DecoderModel
+from serve_app.engine.proposers.draft_model import DraftModelProposer
+from serve_app.engine.proposers.ngram import NgramProposer
+from serve_app.engine.request import SpecOverride
+from serve_app.engine.sampling import SamplingParams
+from serve_app.stats import AcceptanceKey, EngineStatsSink, SharedStats
+from tests.conftest import make_tiny_hf_model
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "specserve", "tags": [', "x"]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target_hf(tiny_tokenizer):
+    return make_tiny_hf_model(len(tiny_tokenizer), seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer) -> list[list[int]]:
+    return [tiny_tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def references(target_hf, prompts) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = target_hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)  # fmt: skip
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def make_engine(target_hf, tokenizer, policy: str, stats=None) -> SpecEngine:
+    target = DecoderModel.from_hf_model(target_hf)
+    draft = DraftModelProposer(DecoderModel.from_hf_model(target_hf), target.cfg.vocab_size, 4, 128)
+    config = EngineConfig(max_slots=4, max_seq_len=128, spec_method="draft", spec_depth=4, max_depth=6,
+                          policy=policy)  # fmt: skip
+    return SpecEngine(target, tokenizer, config, eos_ids=[0],
+                      proposers={"draft": draft, "ngram": NgramProposer(3, 1)}, stats=stats,
+                      model_pair="tiny|tiny")  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", sorted(registered_policies()))
+def test_every_policy_is_lossless(target_hf, tiny_tokenizer, prompts, references, policy) -> None:
+    engine = make_engine(target_hf, tiny_tokenizer, policy)
+    results = engine.generate(prompts, GREEDY)
+    for result, ref in zip(results, references, strict=True):
+        assert result.token_ids == ref
+    drafted = sum(r.spec_stats.drafted for r in results)
+    assert (drafted == 0) == (policy == "plain")
+    assert engine.cache.num_free == 4 and not engine.planner.estimator._rates  # state is dropped
+
+
+def test_overrides_hold_under_goodput(target_hf, tiny_tokenizer, prompts, references) -> None:
+    engine = make_engine(target_hf, tiny_tokenizer, "goodput")
+    modes = [SpecOverride("off"), SpecOverride("ngram", 2), SpecOverride("draft", 1), SpecOverride("auto")]
+    results = engine.generate(prompts, GREEDY, modes)
+    for result, ref, mode in zip(results, references, modes, strict=True):
+        assert result.token_ids == ref
+        if mode.mode == "off":
+            assert result.spec_stats.drafted == 0
+        if mode.max_depth is not None and result.spec_stats.spec_steps:
+            assert len(result.spec_stats.drafted_per_position) <= mode.max_depth
+
+
+def test_profiled_cost_model_and_shared_priors(target_hf, tiny_tokenizer, prompts) -> None:
+    stats = SharedStats(StatsSettings(redis_url=None), replica_id="test")
+    # static: every auto request drafts with the draft model, so there are counts to share.
+    engine = make_engine(target_hf, tiny_tokenizer, "static", EngineStatsSink(stats))
+    cost = engine.profile_cost_model(repeats=1)
+    assert isinstance(cost, FittedCostModel) and engine.planner.cost is cost
+    assert cost.target_time(1, 1, 64) > 0 and cost.draft_time("draft", 1, 64) > 0
+    assert engine.cache.num_free == 4 and engine.proposers["draft"].cache.num_free == 4
+    engine.generate(prompts, GREEDY)
+    # The self-draft accepts everything: the shared statistics say so, per workload class.
+    rates = [stats.priors(AcceptanceKey("tiny|tiny", "draft", w)) for w in ("code", "json", "prose")]
+    seen = [r for r in rates if r]
+    assert seen and all(rate == 1.0 for r in seen for rate in r)
+    # A new request starts from those priors.
+    engine.add_request(prompts[0], GREEDY, request_id="new")
+    estimate = engine.planner.estimator.estimate("new", "draft", 3)
+    assert min(estimate) > 0.9
+    engine.abort("new")
