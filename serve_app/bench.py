@@ -8,6 +8,8 @@ methods, what speculation did) that produces exactly ``max_tokens`` greedy token
   methods share one engine, built as ``specserve serve`` builds it (draft options from settings),
   each request choosing its proposer and depth through its speculation override.
 - ``specserve-ngram``: our engine, n-gram prompt lookup at the configured depth.
+- ``specserve-auto``: our engine as the server runs it: requests say "auto", the configured policy
+  (goodput by default, cost model profiled at start) picks proposer and depth every step.
 - ``transformers-plain``, ``transformers-assisted`` (``assistant_model`` = the draft, same dtype,
   transformers' default assistant schedule), ``transformers-lookup``
   (``prompt_lookup_num_tokens=10``): `generate` with a clean generation config and no EOS.
@@ -60,7 +62,7 @@ from serve_app.config import Settings
 
 GB = 1e9
 KINDS = ("code", "json", "chat", "prose")
-PLAIN, ASSISTED = "specserve-plain", "transformers-assisted"
+PLAIN, ASSISTED, AUTO = "specserve-plain", "transformers-assisted", "specserve-auto"
 TRANSFORMERS = ("transformers-plain", ASSISTED, "transformers-lookup")
 LOOKUP_TOKENS = 10  # transformers-lookup's prompt_lookup_num_tokens
 SPEEDUP_REFERENCES = (PLAIN, ASSISTED, "transformers-plain")  # ratios in the JSON
@@ -100,7 +102,8 @@ PROMPTS: list[Prompt] = [
 
 def method_names(depths: list[int]) -> list[str]:
     """Every method, in report order, for these draft depths."""
-    return [PLAIN, *(f"specserve-draft-d{k}" for k in sorted(set(depths))), "specserve-ngram", *TRANSFORMERS]
+    drafts = [f"specserve-draft-d{k}" for k in sorted(set(depths))]
+    return [PLAIN, AUTO, *drafts, "specserve-ngram", *TRANSFORMERS]
 
 
 def draft_depth(method: str) -> int | None:
@@ -499,7 +502,7 @@ def build_engine(settings: Settings, draft: bool, max_slots: int, depth: int, n:
     spec = settings.speculation.model_copy(update={"method": "draft" if draft else "off"})
     config = engine_config(settings.model_copy(update={"speculation": spec}), max_slots=max_slots)
     config = replace(config, spec_method=None, spec_depth=depth, max_depth=max(config.max_depth, depth),
-                     max_seq_len=max(2048, n + 1024))  # fmt: skip
+                     max_seq_len=max(2048, n + 1024), policy="static")  # fmt: skip
     path = ModelStore(settings.store.cache_dir).resolve(settings.model.target)
     return SpecEngine.from_path(path, config, settings.runtime.dtype, settings.runtime.device)
 
@@ -512,7 +515,9 @@ def our_methods(names: list[str], engine: Any, settings: Settings, n: int) -> li
              f"{head}, min confidence {spec.draft_min_confidence})")  # fmt: skip
     methods = []
     for name in names:
-        if name == PLAIN:
+        if name == AUTO:
+            methods.append(auto_method(engine, settings, n))
+        elif name == PLAIN:
             methods.append(specserve_method(engine, n, name, "off", description="our engine, plain decoding"))
         elif k := draft_depth(name):
             methods.append(specserve_method(engine, n, name, "draft", k, f"our engine, {draft}, depth {k}"))
@@ -522,6 +527,26 @@ def our_methods(names: list[str], engine: Any, settings: Settings, n: int) -> li
             )
             methods.append(specserve_method(engine, n, name, "ngram", spec.depth, note))
     return methods
+
+
+def auto_method(engine: Any, settings: Settings, n: int) -> Method:
+    """Requests that leave speculation to the server ("auto"): the configured policy (goodput by
+    default) with its cost model profiled on these models, as a replica starts. A second engine
+    over the same weights and proposers (its own KV cache), used one request at a time."""
+    from dataclasses import replace
+
+    from serve_app.engine.engine import SpecEngine
+
+    spec = settings.speculation
+    method = "draft" if "draft" in engine.proposers else "ngram"
+    config = replace(
+        engine.config, spec_method=method, policy=spec.policy, policy_params=dict(spec.policy_params)
+    )
+    auto = SpecEngine(engine.model, engine.tokenizer, config, engine.eos_ids, engine.proposers)
+    if spec.profile_cost_model:
+        auto.profile_cost_model()
+    note = f'our engine, speculation "auto": policy {spec.policy} over {", ".join(auto.proposers)}'
+    return specserve_method(auto, n, AUTO, "auto", None, note)
 
 
 def run_bench(args: argparse.Namespace, settings: Settings) -> int:
@@ -543,7 +568,7 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError(f"{ASSISTED} needs a draft model (model.draft / --draft)")
     depths = [k for m in names if (k := draft_depth(m))]
     # The sweep and the cost curve report the draft too, so they load it whatever the methods are.
-    needs_draft = bool(depths) or bool(concurrencies) or args.cost_curve
+    needs_draft = bool(depths) or bool(concurrencies) or args.cost_curve or AUTO in names
     if settings.runtime.threads:
         torch.set_num_threads(settings.runtime.threads)
     n, rt, ref, spec = args.max_tokens, settings.runtime, settings.model.target, settings.speculation
