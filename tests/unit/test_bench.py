@@ -296,7 +296,8 @@ def test_cost_curve_table() -> None:
 # ------------------------------------------------------------------------------------ methods, CLI
 def test_method_selection() -> None:
     assert bench.select_methods(None, [4, 2]) == [
-        OURS, "specserve-auto", D2, "specserve-draft-d4", "specserve-ngram", HF, AS, "transformers-lookup"]  # fmt: skip
+        OURS, "specserve-auto", D2, "specserve-draft-d4", "specserve-ngram", HF, AS,
+        "transformers-lookup"]  # fmt: skip
     assert bench.select_methods(None, [2], no_transformers=True) == [
         OURS, "specserve-auto", D2, "specserve-ngram"]  # fmt: skip
     # Any draft depth may be named; the order is the report's whatever the order asked in.
