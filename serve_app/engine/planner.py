@@ -141,11 +141,16 @@ class SpeculationPlanner:
         draft_steps: dict[str, int],
         step_seconds: float,
     ) -> None:
+        # A proposer asked for a draft that proposed nothing (an n-gram with no match) gave what a
+        # first-position rejection gives: one token. Counted so, its estimate stays honest; else a
+        # free proposer that rarely matches looks like free tokens at the default acceptance.
+        asked = [d.proposer is not None and d.depth > 0 for d in decisions]
+        effective = [n if n or not a else 1 for n, a in zip(drafted, asked, strict=True)]
         outcomes = tuple(
             RequestOutcome(
                 r.request_id, self._workload.get(r.request_id, "prose"), d.proposer, d.depth, n, a, e
             )
-            for r, d, n, a, e in zip(requests, decisions, drafted, accepted, emitted, strict=True)
+            for r, d, n, a, e in zip(requests, decisions, effective, accepted, emitted, strict=True)
         )
         context = sum(r.prompt_len + r.generated for r in requests) // max(1, len(requests))
         outcome = Outcome(
@@ -161,7 +166,7 @@ class SpeculationPlanner:
         self.cost.observe(outcome)
         self.policy.observe(outcome)
         if self.stats is not None:
-            for o in outcomes:
-                if o.proposer is not None and o.drafted:
-                    self.stats.record((self.model_pair, o.proposer, o.workload), o.drafted, o.accepted)
+            for o, n in zip(outcomes, drafted, strict=True):
+                if o.proposer is not None and n:  # shared counts: real drafts only
+                    self.stats.record((self.model_pair, o.proposer, o.workload), n, o.accepted)
         self._forget_finished()

@@ -92,3 +92,19 @@ def test_profiled_cost_model_and_shared_priors(target_hf, tiny_tokenizer, prompt
     estimate = engine.planner.estimator.estimate("new", "draft", 3)
     assert min(estimate) > 0.9
     engine.abort("new")
+
+
+def test_empty_drafts_count_as_rejections() -> None:
+    """An n-gram proposer that finds no match must not keep looking like free accepted tokens."""
+    from policies import PolicyConfig, create_policy
+    from policies.base import Decision
+    from serve_app.engine.planner import PlannedRequest, SpeculationPlanner
+
+    planner = SpeculationPlanner(create_policy("goodput", PolicyConfig()), ["ngram"], 4, "ngram")
+    planner.admit("r", "some prose without repeats")
+    request = PlannedRequest("r", 10, 5, 50, 0.0, "auto", None, 100)
+    before = planner.estimator.estimate("r", "ngram", 1)[0]
+    for _ in range(5):
+        times = (0.1, {"ngram": 0.0}, {"ngram": 0}, 0.1)
+        planner.observe([request], [Decision("ngram", 4)], [0], [0], [1], *times)
+    assert planner.estimator.estimate("r", "ngram", 1)[0] < before / 2
