@@ -54,6 +54,14 @@ def make_tiny_hf_model(
     return model
 
 
+def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (new tokens only, EOS not stopping)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return make_tiny_tokenizer()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from policies import FittedCostModel, registered_policies
 from serve_app.config import StatsSettings
@@ -14,7 +13,7 @@ from serve_app.engine.proposers.ngram import NgramProposer
 from serve_app.engine.request import SpecOverride
 from serve_app.engine.sampling import SamplingParams
 from serve_app.stats import AcceptanceKey, EngineStatsSink, SharedStats
-from tests.conftest import make_tiny_hf_model
+from tests.conftest import hf_greedy, make_tiny_hf_model
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "specserve", "tags": [', "x"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -32,13 +31,7 @@ def prompts(tiny_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(target_hf, prompts) -> list[list[int]]:
-    out = []
-    for prompt in prompts:
-        with torch.no_grad():
-            ids = target_hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)  # fmt: skip
-        out.append(ids[0, len(prompt) :].tolist())
-    return out
+    return [hf_greedy(target_hf, prompt, 16) for prompt in prompts]
 
 
 def make_engine(target_hf, tokenizer, policy: str, stats=None) -> SpecEngine:

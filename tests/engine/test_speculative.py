@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from serve_app.engine.engine import EngineConfig, SpecEngine
 from serve_app.engine.model import DecoderModel
@@ -21,7 +20,7 @@ from serve_app.engine.proposers.draft_model import DraftModelProposer
 from serve_app.engine.proposers.ngram import NgramProposer
 from serve_app.engine.request import SpecOverride
 from serve_app.engine.sampling import SamplingParams
-from tests.conftest import make_tiny_hf_model
+from tests.conftest import hf_greedy, make_tiny_hf_model
 
 PROMPTS = [
     "def add(a, b):",
@@ -82,13 +81,7 @@ def prompts(tiny_tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def references(target_hf, prompts) -> list[list[int]]:
     """Prompt + transformers' greedy continuation (20 tokens) for each prompt."""
-    refs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = target_hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)  # fmt: skip
-        refs.append(out[0].tolist())
-    return refs
+    return [prompt + hf_greedy(target_hf, prompt, 20) for prompt in prompts]
 
 
 def make_engine(target_hf, tokenizer, proposers: dict, method: str | None, depth: int, slots: int = 8):
