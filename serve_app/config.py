@@ -181,6 +181,15 @@ class SamplingDefaults(_Section):
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request names none.")
 
 
+class LoadtestSettings(_Section):
+    replica_hour_price: float = Field(
+        0.15,
+        ge=0,
+        description="Price of one engine replica for one hour (USD), for the load test's cost per 1M output "
+        "tokens. Default: about an on-demand 2-vCPU, 16 GiB cloud VM; set your own (a GPU's price on GPUs).",
+    )
+
+
 class Settings(BaseSettings):
     """The root of all settings."""
 
@@ -203,6 +212,9 @@ class Settings(BaseSettings):
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings, description="Tracing.")
     stats: StatsSettings = Field(
         default_factory=StatsSettings, description="Acceptance, cost and load statistics (shared via Redis)."
+    )
+    loadtest: LoadtestSettings = Field(
+        default_factory=LoadtestSettings, description="`specserve loadtest`: the cost report's prices."
     )
 
     @classmethod
