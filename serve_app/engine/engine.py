@@ -20,11 +20,18 @@ import torch
 from policies import FittedCostModel, PolicyConfig, create_policy
 from policies.base import Decision
 from serve_app.engine.detokenizer import IncrementalDetokenizer
+from serve_app.engine.kv_cache import KVCache
 from serve_app.engine.model import DecoderModel, read_generation_eos
 from serve_app.engine.planner import PlannedRequest, SpeculationPlanner, StatsSink
 from serve_app.engine.profiling import profile_cost_model
-from serve_app.engine.proposers import Draft, Proposer, ProposerContext, ProposeRow, create_proposer
-from serve_app.engine.proposers.draft_model import DraftModelProposer
+from serve_app.engine.proposers import (
+    Draft,
+    ModelDrafter,
+    Proposer,
+    ProposerContext,
+    ProposeRow,
+    create_proposer,
+)
 from serve_app.engine.request import Completion, Request, RequestOutput, SpecOverride
 from serve_app.engine.sampling import SamplingParams, make_generator
 from serve_app.engine.scheduler import Scheduler
@@ -71,11 +78,15 @@ class SpecEngine:
         proposers: Mapping[str, Proposer] | None = None,
         stats: StatsSink | None = None,
         model_pair: str = "",
+        cache: KVCache | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        self.cache = model.new_cache(config.max_slots, config.max_seq_len)
+        # A cache made beforehand is passed in when a proposer drafts inside it (self-speculation).
+        self.cache = cache or model.new_cache(config.max_slots, config.max_seq_len)
+        if (self.cache.num_slots, self.cache.max_seq_len) != (config.max_slots, config.max_seq_len):
+            raise ValueError("the KV cache passed in does not match max_slots / max_seq_len")
         self.scheduler = Scheduler(self.cache, config.max_waiting)
         self.proposers: dict[str, Proposer] = dict(proposers or {})
         if config.spec_method is not None and config.spec_method not in self.proposers:
@@ -111,15 +122,19 @@ class SpecEngine:
         config = config or EngineConfig()
         model = DecoderModel.from_pretrained(path, DTYPES[dtype], resolve_device(device))
         tokenizer = AutoTokenizer.from_pretrained(path)
-        context = ProposerContext(model, tokenizer, config.max_slots, config.max_seq_len, {})
+        cache = model.new_cache(config.max_slots, config.max_seq_len)
+        context = ProposerContext(
+            model, tokenizer, config.max_slots, config.max_seq_len, {}, cache, Path(path)
+        )
         proposers = {}
         for name, options in config.proposer_options.items():
             proposers[name] = create_proposer(name, ProposerContext(**{**vars(context), "options": options}))
-        return cls(model, tokenizer, config, read_generation_eos(path), proposers, stats, model_pair)
+        eos = read_generation_eos(path)
+        return cls(model, tokenizer, config, eos, proposers, stats, model_pair, cache)
 
     def profile_cost_model(self, repeats: int = 2) -> FittedCostModel:
-        """Time the target and the draft models on free slots, fit the planner's cost model."""
-        models = {n: p for n, p in self.proposers.items() if isinstance(p, DraftModelProposer)}
+        """Time the target and every model-based proposer's draft step on free slots, fit the cost model."""
+        models = {n: p for n, p in self.proposers.items() if isinstance(p, ModelDrafter)}
         drafts = {name: (p.model, p.cache) for name, p in models.items()}
         self.planner.cost = profile_cost_model(self.model, self.cache, drafts, repeats)
         return self.planner.cost

@@ -9,7 +9,7 @@ model with its own KV cache) can drop what was rejected.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -57,3 +57,16 @@ class Proposer(Protocol):
 
     def release(self, slot: int) -> None:
         """The request in ``slot`` finished; forget it."""
+
+
+@runtime_checkable
+class ModelDrafter(Protocol):
+    """A proposer whose draft step is one forward of a model over a slot KV cache.
+
+    The engine's profiler times ``model.logits(model.forward(tokens [rows, 1], cache, slots))`` on
+    free slots of ``cache`` to fit the proposer's draft-step cost (the draft model: its own model and
+    cache; self-speculation: the target's kept layers and the target's cache).
+    """
+
+    model: Any  # forward(tokens, cache, slots) -> hidden; logits(hidden); cfg; device
+    cache: Any  # the KVCache that ``model.forward`` writes

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 
 from serve_app.engine.proposers.base import Proposer
@@ -28,6 +29,10 @@ class ProposerContext:
     max_seq_len: int  # the longest sequence a slot holds
     # Proposer-specific settings (e.g. {"draft_path": ...} or {"max_ngram": 4}); read-only.
     options: Mapping[str, object] = field(default_factory=dict)
+    # The target's KV cache (serve_app.engine.kv_cache.KVCache), for a proposer that drafts inside it
+    # (self-speculation); None where the caller has none to share.
+    target_cache: object | None = None
+    target_path: Path | None = None  # the target's model folder (a proposer's stored calibration)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
