@@ -1,4 +1,4 @@
-"""`specserve` command line: serve, generate, models, bench."""
+"""`specserve` command line: serve, generate, models, bench, loadtest."""
 
 from __future__ import annotations
 
@@ -173,9 +173,14 @@ def _http_status(url: str) -> int | None:
         return None
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve the OpenAI-compatible API on a local Ray cluster until Ctrl-C."""
+    """Serve the OpenAI-compatible API on a local Ray cluster until Ctrl-C, SIGINT or SIGTERM."""
     import os
+    import signal
 
     settings = _serve_settings(args)
     # Fetch the packs here, where their progress shows; the replicas then find them in the store.
@@ -196,6 +201,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if started_ray:  # a local cluster (never `ray start --head`: port 6379 is Redis's here)
         address = os.environ.get("RAY_ADDRESS") or "local"
         ray.init(address=address, include_dashboard=False)
+    # SIGINT and SIGTERM both shut down cleanly, also where SIGINT was inherited as ignored
+    # (a background job of a non-interactive shell) and after ray.init installed its SIGTERM exit.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     try:
         cpus = ray.cluster_resources().get("CPU", 0.0)
         needed = settings.autoscaling.replica_num_cpus * max(1, settings.autoscaling.min_replicas)
@@ -251,6 +260,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve.shutdown()
         if started_ray:
             ray.shutdown()
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from loadtest.run_matrix import run_matrix
+
+    return run_matrix(args, load_settings())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -340,6 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--out", default="bench-results", help="folder for the JSON and Markdown results")
     bench.set_defaults(func=cmd_bench)
+
+    from loadtest.run_matrix import add_arguments
+
+    loadtest = sub.add_parser(
+        "loadtest", help="Locust load matrix: policies x load levels x workload mixes, cost report"
+    )
+    add_arguments(loadtest)
+    loadtest.set_defaults(func=cmd_loadtest)
     return parser
 
 

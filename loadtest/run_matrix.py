@@ -1,0 +1,344 @@
+"""``specserve loadtest``: run the load matrix (policy x users x workload mix) and write the report.
+
+For every cell: start ``specserve serve`` with that policy (fresh, on the matrix's local Ray
+cluster, shared statistics off so nothing carries over between cells), warm it up, read the
+server's counters, run Locust headless for ``--run-time`` seconds (at most ``--max-requests``
+requests; requests running at the end finish), read the counters again, stop the server. Then
+compute the cell's figures (``loadtest.analysis``) and, at the end, ``report.md`` and the plots
+(``loadtest.report``) in ``<out>/<UTC date and time>/``. Everything listens on 127.0.0.1.
+
+Cells run load level by load level, every policy at one level before the next level, so slow
+drift of the machine affects all policies alike. ``--until-saturation`` skips a policy's higher
+load levels once one more level raised its tokens/s by less than 5%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import requests
+
+from loadtest import analysis
+from loadtest.cluster import LocalCluster, ReplicaSampler, counter_delta, free_port
+from loadtest.progress import Progress
+from loadtest.server import APP_NAME, ServerError, ServerProcess
+from loadtest.streaming import RequestRecord
+from loadtest.workloads import MIXES, Conversation, load_workloads, mix_classes, mix_workloads
+
+if TYPE_CHECKING:
+    from serve_app.config import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
+FIRST_POLICIES = ("plain", "static", "goodput")  # then every other registered policy
+STATIC_DEPTH = 4  # the best fixed draft depth in BENCHMARKS.md (Qwen pair, draft model)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``specserve loadtest`` flags (defaults: the full matrix on the settings' models)."""
+    p.add_argument("--model", help="target model (default: settings)")
+    p.add_argument("--draft", help="draft model (default: settings)")
+    p.add_argument(
+        "--method", choices=["draft", "ngram", "off"], help="proposer for 'auto' (default: settings)"
+    )
+    p.add_argument(
+        "--policies", nargs="+", help="policies (default: plain static goodput, then every other registered)"
+    )
+    p.add_argument(
+        "--users", nargs="+", type=int, default=[1, 4, 16, 32], help="load levels (default: 1 4 16 32)"
+    )
+    p.add_argument(
+        "--mixes", nargs="+", default=["mixed"], choices=sorted(MIXES), help="workload mixes (default: mixed)"
+    )
+    p.add_argument("--run-time", type=float, default=90.0, help="seconds of load per cell (default: 90)")
+    p.add_argument(
+        "--max-requests", type=int, default=500, help="at most this many requests per cell (0: no bound)"
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=240.0,
+        help="seconds requests running at the end of --run-time may take to finish (default: 240)",
+    )
+    p.add_argument("--warmup", type=int, default=1, help="warm-up rounds (one request per workload) per cell")
+    p.add_argument("--max-tokens", type=int, default=0, help="cap every workload's max_tokens (0: no cap)")
+    p.add_argument(
+        "--static-depth", type=int, default=STATIC_DEPTH, help="depth of the static policy (default: 4)"
+    )
+    p.add_argument(
+        "--policy-params",
+        action="append",
+        default=[],
+        metavar="POLICY=JSON",
+        help='params of one policy, e.g. \'batch-threshold={"table": {"1": 6, "8": 2}}\'',
+    )
+    p.add_argument("--slots", type=int, help="KV slots per replica (default: settings)")
+    p.add_argument(
+        "--price", type=float, help="USD per replica-hour (default: settings loadtest.replica_hour_price)"
+    )
+    p.add_argument(
+        "--until-saturation", action="store_true", help="skip a policy's higher loads once saturated"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of prompt choice and sampling")
+    p.add_argument("--cpus", type=int, help="CPUs of the local Ray cluster (default: the machine's)")
+    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
+    p.add_argument("--out", default=str(REPO / "loadtest" / "results"), help="results root folder")
+
+
+def _policies(args: argparse.Namespace) -> list[str]:
+    from policies import registered_policies
+
+    known = list(registered_policies())
+    if args.policies:
+        unknown = [p for p in args.policies if p not in known]
+        if unknown:
+            raise ValueError(f"unknown policies {unknown}; registered: {', '.join(known)}")
+        return list(dict.fromkeys(args.policies))
+    return [p for p in FIRST_POLICIES if p in known] + [p for p in known if p not in FIRST_POLICIES]
+
+
+def _policy_params(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    params = {}
+    for item in args.policy_params:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--policy-params {item!r}: expected POLICY=JSON")
+        params[name] = json.loads(text)
+    return params
+
+
+def cell_settings(
+    base: Settings, args: argparse.Namespace, policy: str, params: dict[str, Any]
+) -> dict[str, Any]:
+    """The whole settings of one cell's server (written to its settings.yaml)."""
+    data = base.model_dump(mode="json")
+    if args.model:
+        data["model"]["target"] = args.model
+    if args.draft:
+        data["model"]["draft"] = args.draft
+    if args.method:
+        data["speculation"]["method"] = args.method
+    if args.slots:
+        data["cache"]["max_slots"] = args.slots
+    data["speculation"]["policy"] = policy
+    data["speculation"]["policy_params"] = params
+    if policy == "static":
+        data["speculation"]["depth"] = args.static_depth
+    data["server"].update(host="127.0.0.1", port=free_port(), api_key=None)
+    data["stats"]["redis_url"] = None  # every cell starts from nothing (no shared priors)
+    return data
+
+
+def _warmup_bodies(model: str, mix: str, rounds: int, max_tokens: int) -> list[dict[str, Any]]:
+    workloads = load_workloads()
+    bodies = []
+    for i in range(rounds):
+        for name in mix_workloads(mix):
+            conversation = Conversation(workloads[name], random.Random(f"warmup:{i}:{name}"))
+            bodies.append(
+                workloads[name].body(model, conversation.next_messages(), seed=i, max_tokens=max_tokens)
+            )
+    return bodies
+
+
+def _run_locust(
+    args: argparse.Namespace,
+    server: ServerProcess,
+    model: str,
+    users: int,
+    mix: str,
+    folder: Path,
+    progress: Progress,
+) -> int:
+    records = folder / "records.jsonl"
+    command = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "-t",
+        f"{math.ceil(args.run_time)}s",
+        "--stop-timeout",
+        str(math.ceil(args.stop_timeout)),
+        "--host",
+        server.url,
+        "--csv",
+        str(folder / "locust"),
+        "--records",
+        str(records),
+        "--max-requests",
+        str(args.max_requests),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--seed",
+        str(args.seed),
+        "--model",
+        model,
+        "--loglevel",
+        "WARNING",
+        "--only-summary",
+        *mix_classes(mix),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    limit = args.run_time + args.stop_timeout + 120
+    started = time.monotonic()
+    with open(folder / "locust.log", "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while process.poll() is None:
+                progress.live(records, started, args.run_time)
+                if time.monotonic() - started > limit:
+                    process.kill()
+                    break
+                time.sleep(1.0)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            progress.end_live()
+    return process.returncode
+
+
+def run_cell(
+    args: argparse.Namespace,
+    cluster: LocalCluster,
+    settings: dict[str, Any],
+    policy: str,
+    users: int,
+    mix: str,
+    folder: Path,
+    progress: Progress,
+    price: float,
+) -> tuple[analysis.CellResult, list[RequestRecord]]:
+    """Start, warm up, load, measure and stop one cell's server."""
+    progress.phase("starting specserve serve")
+    with ServerProcess(settings, folder, cluster.address, args.start_timeout) as server:
+        model = server.model()
+        progress.phase(f"ready after {server.startup_s:.0f} s; warming up")
+        warm_tokens = 32 if not args.max_tokens else min(32, args.max_tokens)
+        server.warm_up(_warmup_bodies(model, mix, args.warmup, warm_tokens))
+        before = cluster.settled_scrape(analysis.GENERATION_TOKENS)
+        progress.phase(f"load: {users} user(s), {args.run_time:.0f} s, mix {mix}")
+        with ReplicaSampler(APP_NAME) as sampler:
+            code = _run_locust(args, server, model, users, mix, folder, progress)
+            after = cluster.settled_scrape(analysis.GENERATION_TOKENS)
+        records = analysis.read_records(folder / "records.jsonl")
+        window = (min(r.start for r in records), max(r.end for r in records)) if records else (0.0, 0.0)
+        counters = analysis.ServerCounters(
+            **{
+                key: counter_delta(before, after, name)
+                for key, name in (
+                    ("generation_tokens", analysis.GENERATION_TOKENS),
+                    ("draft_tokens", analysis.DRAFT_TOKENS),
+                    ("accepted_tokens", analysis.ACCEPTED_TOKENS),
+                    ("requests", analysis.REQUESTS),
+                )
+            }
+        )
+        result = analysis.cell_result(
+            policy, users, mix, records, counters, sampler.replica_seconds(*window), price
+        )
+        result.startup_s = server.startup_s
+        if code not in (0, 1):  # 1: some requests failed (counted in the result)
+            result.errors.append(f"locust exited with {code}; see {folder / 'locust.log'}")
+        progress.phase("stopping the server")
+    return result, records
+
+
+def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
+    """Run every cell, write ``cells.json`` as it goes and the report at the end; 0 if all cells ran."""
+    from loadtest.report import write_report
+
+    policies = _policies(args)
+    params = _policy_params(args)
+    for mix in args.mixes:
+        mix_classes(mix)
+    price = settings.loadtest.replica_hour_price if args.price is None else args.price
+    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H-%M-%SZ")
+    root = Path(args.out) / stamp
+    root.mkdir(parents=True, exist_ok=True)
+    users_levels = sorted(set(args.users))
+    cells = [(mix, users, policy) for mix in args.mixes for users in users_levels for policy in policies]
+    progress = Progress(len(cells))
+    probe = cell_settings(settings, args, policies[0], {})
+    meta = {
+        "started": stamp,
+        "command": "specserve loadtest "
+        + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["loadtest"] else sys.argv[1:]),
+        "target": probe["model"]["target"],
+        "draft": probe["model"]["draft"],
+        "method": probe["speculation"]["method"],
+        "dtype": probe["runtime"]["dtype"],
+        "slots": probe["cache"]["max_slots"],
+        "replicas": f"{probe['autoscaling']['min_replicas']}-{probe['autoscaling']['max_replicas']}",
+        "warmup": args.warmup * max(len(mix_workloads(m)) for m in args.mixes),
+        "run_time_s": args.run_time,
+        "max_requests": args.max_requests,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+        "price": price,
+        "policies": policies,
+    }
+    print(f"[loadtest] {len(cells)} cells -> {root}", flush=True)
+    results: list[analysis.CellResult] = []
+    records: dict[tuple[str, int, str], list[RequestRecord]] = {}
+    skipped: set[tuple[str, str]] = set()
+    started = time.monotonic()
+    cpus = args.cpus or max(
+        os.cpu_count() or 1,
+        math.ceil(probe["autoscaling"]["replica_num_cpus"] * probe["autoscaling"]["max_replicas"]),
+    )
+    try:
+        with LocalCluster(cpus) as cluster:
+            for mix, users, policy in cells:
+                progress.cell(policy, users, mix)
+                if (policy, mix) in skipped:
+                    progress.cell_done("skipped (saturated at a lower load)")
+                    continue
+                folder = root / mix / policy / f"u{users}"
+                data = cell_settings(settings, args, policy, params.get(policy, {}))
+                try:
+                    result, cell_records = run_cell(
+                        args, cluster, data, policy, users, mix, folder, progress, price
+                    )
+                except (ServerError, requests.RequestException) as exc:
+                    result, cell_records = analysis.CellResult(policy, users, mix, errors=[str(exc)]), []
+                results.append(result)
+                records[(policy, users, mix)] = cell_records
+                (folder / "cell.json").write_text(json.dumps(result.to_dict(), indent=2))
+                progress.cell_done(
+                    f"{result.requests} requests ({result.failures} failed), "
+                    f"{result.tokens_per_s:.2f} tok/s, "
+                    f"{result.cost_per_1m_tokens or 0:.2f} USD per 1M tokens"
+                    + (f"; errors: {result.errors[0]}" if result.errors else "")
+                )
+                if args.until_saturation and analysis.saturated(results, policy, mix):
+                    skipped.add((policy, mix))
+    finally:
+        analysis.compare_to_plain(results)
+        meta["wall_s"] = time.monotonic() - started
+        (root / "cells.json").write_text(
+            json.dumps({"meta": meta, "cells": [r.to_dict() for r in results]}, indent=2)
+        )
+        if results:
+            report = write_report(root, results, records, meta)
+            print(f"[loadtest] report: {report}", flush=True)
+    failed = [r for r in results if r.errors or r.requests == 0]
+    return 1 if failed else 0
