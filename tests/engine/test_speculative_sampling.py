@@ -3,7 +3,8 @@
 The exact distribution of the first three sampled tokens is computed from the target's logits
 (with the same temperature / top-k / top-p processing); thousands of seeded requests through the
 engine, with a sampling draft model and with the deterministic n-gram proposer, must match it
-(chi-square on the marginals of tokens 2 and 3, which come from verification steps).
+(chi-square on the marginals of tokens 2 and 3, which come from verification steps); likewise
+with the target drafting for itself through its first layer (self-speculation).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from serve_app.engine.engine import EngineConfig, SpecEngine
 from serve_app.engine.model import DecoderModel
 from serve_app.engine.proposers.draft_model import DraftModelProposer
 from serve_app.engine.proposers.ngram import NgramProposer
+from serve_app.engine.proposers.self_spec import SelfSpecProposer
 from serve_app.engine.sampling import SamplingParams, process_logits
 from tests.conftest import make_tiny_hf_model
 
@@ -95,18 +97,22 @@ def assert_distributed_as(samples: torch.Tensor, expected: torch.Tensor) -> None
     [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6, top_p=0.9)],
     ids=["t1", "t0.7-k6-p0.9"],
 )
-@pytest.mark.parametrize("method", ["plain", "draft", "ngram"])
+@pytest.mark.parametrize("method", ["plain", "draft", "ngram", "self"])
 def test_first_tokens_distributed_as_plain_sampling(target_hf, params, method) -> None:
     tokenizer = word_tokenizer()
+    model = DecoderModel.from_hf_model(target_hf)
+    cache = model.new_cache(8, 32)
     proposers = {}
     if method == "draft":
         draft = DecoderModel.from_hf_model(make_tiny_hf_model(VOCAB, seed=11))
         proposers["draft"] = DraftModelProposer(draft, VOCAB, 8, 32)
     elif method == "ngram":
         proposers["ngram"] = NgramProposer(2, 1)
+    elif method == "self":  # the target's first layer drafts (samples from q, records it)
+        proposers["self"] = SelfSpecProposer(model, cache, (1,))
     config = EngineConfig(max_slots=8, max_seq_len=32, spec_method=None if method == "plain" else method,
                           spec_depth=2, max_waiting=SAMPLES)  # fmt: skip
-    engine = SpecEngine(DecoderModel.from_hf_model(target_hf), tokenizer, config, proposers=proposers)
+    engine = SpecEngine(model, tokenizer, config, proposers=proposers, cache=cache)
     samples = sample_tokens(engine, params)
     p2, p3 = exact_marginals(target_hf, params)
     assert_distributed_as(samples[:, 1], p2)
