@@ -17,7 +17,7 @@ Counters:
   that kept more than j tokens).
 - ``specserve_spec_decode_fallbacks`` (proposer): request-steps decoded plain: the policy chose no
   proposer or depth 0 (``proposer="none"``), or the chosen proposer drafted nothing (its name).
-- ``specserve_generation_tokens``: tokens emitted.
+- ``specserve_generation_tokens``: tokens emitted (every token of a request, the first one included).
 - ``specserve_prompt_tokens``: prompt tokens of finished requests.
 - ``specserve_request_success`` (finish_reason): finished requests, aborts included.
 
@@ -303,6 +303,11 @@ class EngineMetrics:
             for position in range(out.accepted):  # acceptance is a prefix: position j kept iff accepted > j
                 self._sink.inc(NUM_ACCEPTED_TOKENS_PER_POS, 1, {**tags, "position": str(position)})
         self._inc(GENERATION_TOKENS, emitted, model)
+
+    def on_prefill(self, tokens: int) -> None:
+        """Count the tokens a step's prefills emitted (each request's first token): generated tokens
+        too, though no decode step made them (``on_step`` covers the decoding requests)."""
+        self._inc(GENERATION_TOKENS, tokens, self._model_tags)
 
     def on_request_finished(
         self,

@@ -502,6 +502,7 @@ class AsyncEngine:
         # Bookkeeping and metrics first, delivery last: a consumer that has its final chunk sees
         # the metrics and the load of the step that made it.
         outcomes = []
+        prefill_tokens = 0
         deliveries: list[tuple[_Stream, _Output]] = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -510,6 +511,7 @@ class AsyncEngine:
             first = stream.first_output is None
             if first:
                 stream.first_output = now
+                prefill_tokens += len(output.new_token_ids)
             elif self.metrics is not None:
                 outcomes.append(_step_outcome(output))
             if output.finished:
@@ -517,9 +519,11 @@ class AsyncEngine:
                 self._request_finished(stream, output, output.finish_reason or "stop", now)
             if not stream.cancelled:  # a cancelled one's abort command is on its way
                 deliveries.append((stream, _Output(output, now, first)))
-        if self.metrics is not None and outcomes:
+        if self.metrics is not None and (outcomes or prefill_tokens):
             try:
-                self.metrics.on_step(len(outcomes), outcomes)
+                if outcomes:
+                    self.metrics.on_step(len(outcomes), outcomes)
+                self.metrics.on_prefill(prefill_tokens)
             except Exception:
                 log.exception("metrics: on_step failed")
         self._publish_load()

@@ -118,6 +118,7 @@ def test_concurrent_requests_match_the_sync_engine(make_async, target_hf, tiny_t
     metrics = engine.metrics
     assert metrics.value(m.REQUEST_SUCCESS, finish_reason="length") == len(PROMPTS)
     assert metrics.value(m.NUM_DRAFT_TOKENS) == sum(r.spec_stats.drafted for r in expected)
+    assert metrics.value(m.GENERATION_TOKENS) == 16 * len(PROMPTS)  # first tokens (prefill) included
     assert metrics.histogram(m.TTFT).count == len(PROMPTS)
     assert metrics.histogram(m.TPOT).count == len(PROMPTS)
     assert metrics.value(m.NUM_RUNNING) == 0 and metrics.value(m.NUM_WAITING) == 0
