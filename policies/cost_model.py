@@ -48,15 +48,17 @@ def profile_plan() -> list[tuple[int, int]]:
     """(rows, tokens_per_row) shapes to time at engine start (one context, e.g. 256): ~3 s/repeat.
 
     n = rows x tokens_per_row covers 1..64 with rows 1/4/8, both sides of the knee, and the same n
-    at different rows (which separates the per-row term). Shapes needing more KV slots than the
-    engine has can be skipped: the fit needs at least 4 samples.
+    at different rows (which separates the per-row term); rows 16 and 32 (n up to 128) pin the
+    compute-bound slope where heavy batches live. Shapes needing more KV slots than the engine has
+    are skipped: the fit needs at least 4 samples.
     """
-    return [(1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (4, 1), (4, 4), (4, 8), (8, 1), (8, 2), (8, 4), (8, 8)]
+    return [(1, 1), (1, 4), (1, 8), (1, 16), (4, 1), (4, 4), (4, 8), (8, 1), (8, 2), (8, 4), (8, 8),
+            (16, 1), (16, 4), (32, 1), (32, 2), (32, 4)]  # fmt: skip
 
 
 def draft_profile_plan() -> list[int]:
     """Row counts at which to time one single-token draft step of each model-based proposer."""
-    return [1, 2, 4, 8]
+    return [1, 2, 4, 8, 16, 32]
 
 
 def _bucket(value: int) -> int:

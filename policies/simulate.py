@@ -1,9 +1,11 @@
 """Replay acceptance traces through a policy and a cost model: throughput without a model run.
 
-A ``Trace`` is one request: its workload, prompt and output lengths, and per proposer either
-recorded accepted-run lengths ("first rejected position" per step, replayed in order, cycled; a
-draft of k tokens then keeps min(run, k)) or conditional acceptance probabilities per position
-(sampled, the last one repeating). ``simulate`` keeps ``concurrency`` requests running (refilled
+A ``Trace`` is one request: its workload, prompt and output lengths, and per proposer one of
+- ``matches``: recorded per output position (``policies.traces``): a draft of k tokens starting
+  after g output tokens keeps min(matches[g], k); exact for greedy, deterministic proposers;
+- ``first_rejected``: accepted-run lengths per step, replayed in order and cycled (min(run, k));
+- ``accept``: conditional acceptance probabilities per position (sampled, the last one repeating).
+``simulate`` keeps ``concurrency`` requests running (refilled
 from the queue in trace order); at each step it builds the ``StepView`` the engine would (estimates
 from an ``AcceptanceEstimator`` fed by the simulated outcomes), asks the policy, samples what the
 target accepts, and advances the clock by the cost model's prediction of the step (target forward,
@@ -33,6 +35,10 @@ class Trace:
     output_len: int
     accept: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # conditional, per position
     first_rejected: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # recorded runs
+    matches: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # per output position
+
+    def proposers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.accept, *self.first_rejected, *self.matches)))
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,9 @@ class _Running:
         self.streams = {p: random.Random(f"{seed}:{index}:{p}") for p in trace.accept}
 
     def accepted(self, proposer: str, depth: int) -> int:
+        matches = self.trace.matches.get(proposer)
+        if matches is not None:
+            return min(matches[self.generated], depth) if self.generated < len(matches) else 0
         runs = self.trace.first_rejected.get(proposer)
         if runs:
             at = self.cursor.get(proposer, 0)
@@ -95,7 +104,7 @@ def simulate(
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     if proposers is None:
-        proposers = list(dict.fromkeys(p for t in traces for p in (*t.accept, *t.first_rejected)))
+        proposers = list(dict.fromkeys(p for t in traces for p in t.proposers()))
     proposers = tuple(proposers)
     estimator = estimator or AcceptanceEstimator(max_depth=max(16, max_depth))
     clock = true_cost or cost
@@ -183,16 +192,12 @@ def oracle_best_static(
 ) -> tuple[tuple[str | None, int], SimResult, dict[tuple[str | None, int], SimResult]]:
     """Every static (proposer, depth), plain included: (the best, its result, all results)."""
     if proposers is None:
-        proposers = list(dict.fromkeys(p for t in traces for p in (*t.accept, *t.first_rejected)))
+        proposers = list(dict.fromkeys(p for t in traces for p in t.proposers()))
     results: dict[tuple[str | None, int], SimResult] = {}
-    arms: list[tuple[str | None, int]] = [(None, 0)] + [
-        (p, d) for p in proposers for d in range(1, max_depth + 1)
-    ]
-    for name, depth in arms:
-        config = PolicyConfig(default_proposer=name, default_depth=depth, max_depth=max_depth)
-        policy = create_policy("static" if name else "plain", config if name else PolicyConfig())
-        results[(name, depth)] = simulate(
-            policy, traces, cost, concurrency, proposers=proposers, max_depth=max_depth, seed=seed, **options
+    for arm in static_arms(proposers, max_depth):
+        results[arm] = simulate(
+            static_policy(arm, max_depth), traces, cost, concurrency, proposers=proposers,
+            max_depth=max_depth, seed=seed, **options,
         )  # type: ignore[arg-type]
     best = max(results, key=lambda arm: results[arm].tokens_per_second)
     return best, results[best], results
@@ -205,4 +210,56 @@ def uniform_traces(specs: Mapping[str, tuple[int, int, Mapping[str, float]]], re
         Trace(workload, prompt, output, {p: (rate,) for p, rate in rates.items()})
         for _ in range(repeat)
         for workload, (prompt, output, rates) in specs.items()
+    ]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Part of a workload mix: these traces, run with at most ``concurrency`` at a time."""
+
+    traces: Sequence[Trace]
+    concurrency: int
+
+
+def simulate_mix(
+    policy: Policy, phases: Sequence[Phase], cost: CostModel, *, max_depth: int = 8, seed: int = 0,
+    proposers: Sequence[str] | None = None, **options: object,
+) -> SimResult:
+    """Phases one after the other under ONE policy instance and ONE estimator (what it learned in a
+    phase carries into the next, as on a replica whose load changes): totals over all phases."""
+    if proposers is None:
+        proposers = list(dict.fromkeys(p for ph in phases for t in ph.traces for p in t.proposers()))
+    estimator = AcceptanceEstimator(max_depth=max(16, max_depth))
+    parts = [
+        simulate(policy, ph.traces, cost, ph.concurrency, proposers=proposers, max_depth=max_depth,
+                 seed=seed + i, estimator=estimator, **options)  # type: ignore[arg-type]
+        for i, ph in enumerate(phases)
+    ]  # fmt: skip
+    return SimResult(
+        policy.name, max(ph.concurrency for ph in phases), sum(p.tokens for p in parts),
+        sum(p.seconds for p in parts), sum(p.steps for p in parts), sum(p.request_steps for p in parts),
+        {k: sum(p.drafted.get(k, 0) for p in parts) for k in proposers},
+        {k: sum(p.accepted.get(k, 0) for p in parts) for k in proposers},
+    )  # fmt: skip
+
+
+def static_arms(proposers: Sequence[str], max_depth: int) -> list[tuple[str | None, int]]:
+    """Every static choice: plain, then each proposer at depths 1..max_depth."""
+    return [(None, 0)] + [(p, d) for p in proposers for d in range(1, max_depth + 1)]
+
+
+def static_policy(arm: tuple[str | None, int], max_depth: int) -> Policy:
+    """The policy that always takes ``arm`` (plain for (None, 0))."""
+    name, depth = arm
+    if name is None:
+        return create_policy("plain", PolicyConfig())
+    config = PolicyConfig(default_proposer=name, default_depth=depth, max_depth=max_depth)
+    return create_policy("static", config)
+
+
+def replay(recorded: Sequence[object]) -> list[Trace]:
+    """Simulator traces from ``policies.traces.RecordedTrace`` objects (matches per position)."""
+    return [
+        Trace(t.workload, t.prompt_len, t.output_len, matches=dict(t.matches))  # type: ignore[attr-defined]
+        for t in recorded
     ]
