@@ -20,6 +20,7 @@ import math
 import os
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -305,8 +306,13 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
         os.cpu_count() or 1,
         math.ceil(probe["autoscaling"]["replica_num_cpus"] * probe["autoscaling"]["max_replicas"]),
     )
+    interrupted = False
     try:
         with LocalCluster(cpus) as cluster:
+            # After ray.init (which sets its own SIGTERM exit): both signals unwind through the cell's
+            # `with ServerProcess`, which stops the server, then the report is written.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, _interrupt)
             for mix, users, policy in cells:
                 progress.cell(policy, users, mix)
                 if (policy, mix) in skipped:
@@ -331,6 +337,9 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
                 )
                 if args.until_saturation and analysis.saturated(results, policy, mix):
                     skipped.add((policy, mix))
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\n[loadtest] interrupted; writing the report of the cells that ran", flush=True)
     finally:
         analysis.compare_to_plain(results)
         meta["wall_s"] = time.monotonic() - started
@@ -341,4 +350,8 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
             report = write_report(root, results, records, meta)
             print(f"[loadtest] report: {report}", flush=True)
     failed = [r for r in results if r.errors or r.requests == 0]
-    return 1 if failed else 0
+    return 130 if interrupted else 1 if failed else 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
