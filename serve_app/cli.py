@@ -1,4 +1,4 @@
-"""`specserve` command line: serve, generate, models, bench, loadtest."""
+"""`specserve` command line: serve, generate, models, calibrate, bench, loadtest."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from serve_app.config import Settings, load_settings
 
 if TYPE_CHECKING:
     from serve_app.engine.engine import EngineConfig
+
+METHODS = ("off", "draft", "ngram", "self")  # speculation.method (self: no draft model needed)
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -58,7 +60,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 def engine_config(settings: Settings, max_slots: int | None = None) -> EngineConfig:
     """The engine's configuration from settings: cache sizes, speculation, proposer options.
 
-    The draft model is resolved (fetched if needed) only when the method is "draft".
+    The draft model is resolved (fetched if needed) only when the method is "draft"; the
+    self-speculative proposer is loaded when the method is "self" or ``speculation.self_spec``.
     """
     from serve_app.engine.engine import EngineConfig
 
@@ -77,6 +80,8 @@ def engine_config(settings: Settings, max_slots: int | None = None) -> EngineCon
             "head_tokens": spec.draft_head_tokens,
             "min_confidence": spec.draft_min_confidence,
         }
+    if spec.method == "self" or spec.self_spec:
+        options["self"] = {"skip_layers": list(spec.self_spec_skip or [])}
     return EngineConfig(
         max_slots=max_slots or settings.cache.max_slots,
         max_seq_len=settings.cache.max_seq_len,
@@ -144,9 +149,19 @@ def cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from serve_app.bench import run_bench
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from serve_app.calibrate import run_calibrate
 
+    return run_calibrate(args, _settings(args))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from serve_app.bench import build_engine, run_bench
+
+    if args.policies:
+        from serve_app.bench_policies import run_policy_bench
+
+        return run_policy_bench(args, _settings(args), build_engine)
     return run_bench(args, _settings(args))
 
 
@@ -290,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--draft", help="draft model for --method draft (default: settings)")
-    gen.add_argument("--method", choices=["off", "draft", "ngram"], help="speculation (default: settings)")
+    gen.add_argument("--method", choices=METHODS, help="speculation (default: settings)")
     gen.add_argument("--depth", type=int, help="draft tokens per step (default: settings)")
     gen.add_argument("--policy", help="speculation policy (`specserve policies`; default: settings)")
     gen.set_defaults(func=cmd_generate)
@@ -308,13 +323,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve (until Ctrl-C)")
     runtime_flags(srv)
     srv.add_argument("--draft", help="draft model for --method draft (default: settings)")
-    srv.add_argument("--method", choices=["off", "draft", "ngram"], help="speculation (default: settings)")
+    srv.add_argument("--method", choices=METHODS, help="speculation (default: settings)")
     srv.add_argument("--depth", type=int, help="draft tokens per step (default: settings)")
     srv.add_argument("--host", help="address to bind (default: settings, 127.0.0.1)")
     srv.add_argument("--port", type=int, help="HTTP port (default: settings, 8000)")
     srv.add_argument("--api-key", help="require `Authorization: Bearer <key>` (default: settings, none)")
     srv.add_argument("--served-model-name", help="the model name clients send (default: the target's)")
     srv.set_defaults(func=cmd_serve)
+
+    calibrate = sub.add_parser("calibrate", help="calibrate a proposer for a model (stored with the model)")
+    csub = calibrate.add_subparsers(dest="proposer", required=True)
+    self_spec = csub.add_parser(
+        "self-spec", help="search the layers the self-speculative draft skips (a few minutes)"
+    )
+    runtime_flags(self_spec)
+    self_spec.add_argument("--budget-s", type=float, default=240.0, help="time budget of the search")
+    self_spec.add_argument("--max-tokens", type=int, default=48, help="reference tokens per prompt")
+    self_spec.add_argument("--max-depth", type=int, default=6, help="deepest draft considered")
+    self_spec.add_argument("--no-write", action="store_true", help="print the result, store nothing")
+    calibrate.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser(
         "bench", help="benchmark our decoding, plain and speculative, against transformers"
@@ -353,6 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time target forwards of 1..32 tokens per row at batch 1 and 8, and the draft step",
     )
+    bench.add_argument(
+        "--policies",
+        action="store_true",
+        help="compare the speculation policies instead: simulated from acceptance traces (and, with "
+        "--real-loads, real engine runs); see serve_app/bench_policies.py",
+    )
+    bench.add_argument("--traces", help="--policies: trace file to replay (default: the shipped Qwen traces)")
+    bench.add_argument("--record-traces", metavar="PATH", help="--policies: record traces (and cost) first")
+    bench.add_argument("--loads", nargs="+", type=int, help="--policies: simulated load levels (1..32)")
+    bench.add_argument("--real-loads", nargs="+", type=int, help="--policies: load levels to run for real")
     bench.add_argument("--out", default="bench-results", help="folder for the JSON and Markdown results")
     bench.set_defaults(func=cmd_bench)
 

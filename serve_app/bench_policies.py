@@ -1,0 +1,343 @@
+"""`specserve bench --policies`: how the speculation policies compare, simulated and for real.
+
+Three parts, one command:
+
+1. **Traces** (``--record-traces PATH``): each prompt of ``TRACE_PROMPTS`` (code, JSON, chat and
+   prose, written for this benchmark) runs greedily once per loaded proposer at a fixed depth;
+   every decode step's (position, drafted, accepted) becomes the per-position ``matches`` of a
+   ``policies.traces.RecordedTrace``. The cost model is profiled on the same engine (the replica's
+   start-up profile, heavy batches included) and saved beside the traces. The repository ships
+   one such file for the Qwen2.5-Coder 1.5B / 0.5B pair on the 2-core CPU (``DEFAULT_TRACES``).
+2. **Simulation**: the traces replayed through every registered policy (static at the depth the
+   benchmarks found best, batch-threshold, heuristic, goodput, bandit, plain) at each load level
+   (requests kept in flight: 1..32), beside the oracle best static (proposer, depth) found by
+   trying every one; then the mixed workload (``mix_phases``): code and prose at low load, a burst
+   of heavy batch load, low load again, under one policy instance.
+3. **Real runs** (``--real-loads``): the same prompts through the engine, closed loop (a finished
+   request is replaced at once, as a load-test user would), for plain, the best static depth and
+   goodput, at a few load levels and over the mix. Emitted tokens / wall time, prefills included.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import policies
+from policies import FittedCostModel, PolicyConfig, classify, create_policy, registered_policies
+from policies.simulate import (
+    Phase,
+    SimResult,
+    Trace,
+    oracle_best_static,
+    replay,
+    simulate,
+    simulate_mix,
+    static_policy,
+)
+from policies.traces import RecordedTrace, StepRecord, TraceSet, matches_from_steps
+from serve_app.bench import Prompt
+
+DEFAULT_TRACES = Path(policies.__file__).parent / "traces" / "qwen2.5-coder-1.5b-0.5b-cpu.json"
+LOADS = (1, 2, 4, 8, 16, 32)
+RECORD_DEPTH = 8
+BEST_STATIC = ("draft", 4)  # the benchmarks' best fixed depth on code+json (BENCHMARKS.md)
+MIX_LOW, MIX_BURST = 2, 32  # requests in flight in the mixed workload's quiet and burst phases
+
+TRACE_PROMPTS: list[Prompt] = [
+    Prompt("code", "quicksort", "def quicksort(arr):", False),
+    Prompt("code", "binary search", "def binary_search(items: list[int], target: int) -> int:", False),
+    Prompt("code", "LRU cache", "Write a Python class implementing an LRU cache.", True),
+    Prompt("code", "word count", "Write a Python function that counts how often each word occurs in a "
+           "text file and returns the ten most common words.", True),
+    Prompt("json", "people", "Extract each person's name, age, city and job as a JSON list of objects: "
+           "Alice is a 34-year-old engineer living in Berlin. Bob, 27, works as a nurse in Madrid. "
+           "Carol, a teacher from Toronto, is 45.", True),
+    Prompt("json", "orders", "Return a JSON object with keys order_id, items (name, quantity, price) and "
+           "total for this order: order 1182 has two notebooks at 3.50 each, one pen at 1.20 and three "
+           "folders at 2.10 each.", True),
+    Prompt("json", "config", "Write a JSON configuration for a web service with a server block (host, "
+           "port, workers), a database block (url, pool size, timeout) and a logging block.", True),
+    Prompt("chat", "sea poem", "Write a short poem about the sea at night.", True),
+    Prompt("chat", "explain recursion", "Explain recursion to a new programmer, with one example.", True),
+    Prompt("chat", "git advice", "How should a small team use git branches? Give practical advice.", True),
+    Prompt("prose", "printing press", "The printing press changed Europe in ways that", False),
+    Prompt("prose", "lighthouse", "The old lighthouse keeper climbed the stairs one last time, and", False),
+    Prompt("prose", "rivers", "Rivers have shaped where people settle because", False),
+]
+
+
+# ------------------------------------------------------------------------------------ recording
+def record_traces(engine: Any, prompts: Sequence[Prompt], n: int, depth: int = RECORD_DEPTH,
+                  log: Callable[[str], None] = print) -> list[RecordedTrace]:  # fmt: skip
+    """Each prompt, greedy, ``n`` tokens (EOS ignored), once per proposer at ``depth``."""
+    from serve_app.engine.request import SpecOverride
+    from serve_app.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    traces = []
+    for prompt in prompts:
+        ids = engine.encode_prompt(prompt.text, chat=prompt.chat)
+        matches, workload = {}, classify(prompt.text, None)
+        for proposer in engine.proposers:
+            steps, generated, accepted, drafted = [], 0, 0, 0
+            for out in engine.stream(ids, params, SpecOverride(proposer, max_depth=depth)):
+                if generated:  # the first output is the prefill's token
+                    steps.append(StepRecord(generated - 1, out.step_drafted, out.step_accepted))
+                    accepted, drafted = accepted + out.step_accepted, drafted + out.step_drafted
+                generated += len(out.new_token_ids)
+            matches[proposer] = matches_from_steps(steps, n - 1)
+            log(f"[traces] {prompt.kind}/{prompt.name} {proposer}: accepted {accepted}/{drafted}")
+        traces.append(RecordedTrace(f"{prompt.kind}/{prompt.name}", workload, len(ids), n - 1, matches))
+    return traces
+
+
+def kind_of(trace: RecordedTrace) -> str:
+    return trace.name.split("/", 1)[0]
+
+
+# ------------------------------------------------------------------------------------ simulation
+def compared_policies() -> list[str]:
+    """Every registered policy; static runs at ``BEST_STATIC``."""
+    return sorted(registered_policies())
+
+
+def make_policy(name: str, max_depth: int) -> Any:
+    if name == "static":
+        return static_policy(BEST_STATIC, max_depth)
+    proposer, depth = BEST_STATIC
+    config = PolicyConfig(default_proposer=proposer, default_depth=depth, max_depth=max_depth)
+    return create_policy(name, config)
+
+
+def mix_phases(traces: Sequence[Trace], kinds: Sequence[str], repeat: int = 2) -> list[Phase]:
+    """Code and prose at low load, a burst of heavy batch load (every trace), low load again."""
+    quiet = [t for t, k in zip(traces, kinds, strict=True) if k in ("code", "prose")]
+    return [Phase(quiet, MIX_LOW), Phase(list(traces) * repeat, MIX_BURST), Phase(quiet, MIX_LOW)]
+
+
+@dataclass
+class SimTable:
+    loads: list[int]
+    policies: list[str]
+    rate: dict[str, dict[int, float]]  # policy -> load -> tok/s
+    depth: dict[str, dict[int, float]]  # policy -> load -> mean draft depth per request-step
+    oracle: dict[int, tuple[tuple[str | None, int], float]]  # load -> (best static arm, tok/s)
+    mix: dict[str, float]  # policy -> tok/s over the mix
+    mix_oracle: tuple[tuple[str | None, int], float]
+
+
+def run_simulation(traces: Sequence[RecordedTrace], cost: FittedCostModel, loads: Sequence[int],
+                   max_depth: int = RECORD_DEPTH, seed: int = 0) -> SimTable:  # fmt: skip
+    sim = replay(traces)
+    names = compared_policies()
+    rate: dict[str, dict[int, float]] = {p: {} for p in names}
+    depth: dict[str, dict[int, float]] = {p: {} for p in names}
+    oracle = {}
+    for load in loads:
+        for name in names:
+            result = simulate(make_policy(name, max_depth), sim, cost, load, max_depth=max_depth, seed=seed)
+            rate[name][load], depth[name][load] = result.tokens_per_second, result.mean_draft_depth
+        arm, best, _ = oracle_best_static(sim, cost, load, max_depth=max_depth, seed=seed)
+        oracle[load] = (arm, best.tokens_per_second)
+    phases = mix_phases(sim, [kind_of(t) for t in traces])
+    mix = {n: simulate_mix(make_policy(n, max_depth), phases, cost, max_depth=max_depth, seed=seed)
+           for n in names}  # fmt: skip
+    arms = [(None, 0)] + [(p, d) for p in sim[0].proposers() for d in range(1, max_depth + 1)]
+    mixed: dict[tuple[str | None, int], SimResult] = {
+        arm: simulate_mix(static_policy(arm, max_depth), phases, cost, max_depth=max_depth, seed=seed)
+        for arm in arms
+    }
+    best_arm = max(mixed, key=lambda a: mixed[a].tokens_per_second)
+    return SimTable(list(loads), names, rate, depth, oracle, {n: r.tokens_per_second for n, r in mix.items()},
+                    (best_arm, mixed[best_arm].tokens_per_second))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ real runs
+@dataclass
+class RealRun:
+    policy: str
+    load: int
+    tokens: int
+    seconds: float
+    drafted: int
+    accepted: int
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def closed_loop(engine: Any, requests: Sequence[list[int]], load: int, n: int, mode: str = "auto") -> RealRun:
+    """Keep ``load`` requests in flight until all ``requests`` are done; emitted tokens / wall time."""
+    from serve_app.engine.request import SpecOverride
+    from serve_app.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    pending, running = list(reversed(requests)), set()
+    tokens = drafted = accepted = 0
+    start = time.perf_counter()
+    while pending or running:
+        while pending and len(running) < load:
+            running.add(engine.add_request(pending.pop(), params, speculation=SpecOverride(mode)))
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            drafted, accepted = drafted + out.step_drafted, accepted + out.step_accepted
+            if out.finished:
+                running.discard(out.request_id)
+    return RealRun("", load, tokens, time.perf_counter() - start, drafted, accepted)
+
+
+def policy_engine(base: Any, policy: str, cost: FittedCostModel) -> Any:
+    """An engine over ``base``'s model, proposers and KV cache (run one at a time) under ``policy``,
+    with the measured cost model (as a replica takes the cluster's cached one)."""
+    from serve_app.engine.engine import SpecEngine
+
+    proposer, depth = BEST_STATIC
+    config = replace(base.config, spec_method=proposer, spec_depth=depth, policy=policy, policy_params={})
+    engine = SpecEngine(base.model, base.tokenizer, config, base.eos_ids, base.proposers, cache=base.cache)
+    engine.planner.cost = FittedCostModel.from_dict(cost.to_dict())
+    return engine
+
+
+def run_real(base: Any, prompts: Sequence[Prompt], cost: FittedCostModel, loads: Sequence[int], n: int,
+             policies_: Sequence[str], repeats: int, log: Callable[[str], None] = print,
+             ) -> tuple[dict[str, dict[int, RealRun]], dict[str, RealRun]]:  # fmt: skip
+    """Closed-loop runs per (policy, load), median of ``repeats`` by rate; then the mix."""
+    encoded = [base.encode_prompt(p.text, chat=p.chat) for p in prompts]
+    results: dict[str, dict[int, RealRun]] = {p: {} for p in policies_}
+    warm = policy_engine(base, "plain", cost)
+    closed_loop(warm, encoded[:2], 2, 8)  # warm-up
+    for load in loads:
+        requests = [encoded[i % len(encoded)] for i in range(max(2 * load, len(encoded)))]
+        for policy in policies_:
+            runs = []
+            for _ in range(repeats):
+                run = closed_loop(policy_engine(base, policy, cost), requests, load, n)
+                run.policy = policy
+                runs.append(run)
+                log(f"[real] load {load} {policy}: {run.rate:.2f} tok/s, "
+                    f"accepted {run.accepted}/{run.drafted}")
+            results[policy][load] = sorted(runs, key=lambda r: r.rate)[len(runs) // 2]
+    quiet = [e for e, p in zip(encoded, prompts, strict=True) if p.kind in ("code", "prose")]
+    phases = [(quiet, MIX_LOW), (encoded * 2, MIX_BURST), (quiet, MIX_LOW)]
+    mix = {}
+    for policy in policies_:
+        engine = policy_engine(base, policy, cost)  # one engine: what it learns carries across phases
+        parts = [closed_loop(engine, reqs, load, n) for reqs, load in phases]
+        mix[policy] = RealRun(policy, MIX_BURST, sum(p.tokens for p in parts), sum(p.seconds for p in parts),
+                              sum(p.drafted for p in parts), sum(p.accepted for p in parts))  # fmt: skip
+        log(f"[real] mix {policy}: {mix[policy].rate:.2f} tok/s")
+    return results, mix
+
+
+# ------------------------------------------------------------------------------------ report
+def _arm(arm: tuple[str | None, int]) -> str:
+    return "plain" if arm[0] is None else f"{arm[0]} d{arm[1]}"
+
+
+def simulation_markdown(table: SimTable, traces: TraceSet) -> str:
+    kinds = statistics_of(traces)
+    lines = [
+        "### Simulated (recorded traces, measured cost model)", "",
+        f"{len(traces.traces)} traces ({kinds}) on {traces.model_pair}; each load level keeps that many "
+        "requests in flight. Cells: emitted tok/s (mean draft depth per request-step).", "",
+    ]  # fmt: skip
+    head = ["load", *table.policies, "oracle best static", "goodput / best static", "goodput / plain"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for load in table.loads:
+        arm, best = table.oracle[load]
+        cells = [str(load)]
+        cells += [f"{table.rate[p][load]:.2f} ({table.depth[p][load]:.1f})" for p in table.policies]
+        good = table.rate.get("goodput", {}).get(load)
+        cells += [f"{best:.2f} ({_arm(arm)})", f"{good / best:.3f}x" if good else "-",
+                  f"{good / table.rate['plain'][load]:.3f}x" if good else "-"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    arm, best = table.mix_oracle
+    lines += [
+        "", f"Mixed workload (code + prose at {MIX_LOW} in flight, a burst of every trace twice at "
+        f"{MIX_BURST} in flight, code + prose again; one policy instance throughout):", "",
+        "| policy | tok/s | / best single static |", "|---|---|---|",
+    ]  # fmt: skip
+    for name in table.policies:
+        lines.append(f"| {name} | {table.mix[name]:.2f} | {table.mix[name] / best:.3f}x |")
+    lines.append(f"| oracle best single static ({_arm(arm)}) | {best:.2f} | 1.000x |")
+    return "\n".join([*lines, ""])
+
+
+def statistics_of(traces: TraceSet) -> str:
+    counts: dict[str, int] = {}
+    for t in traces.traces:
+        counts[kind_of(t)] = counts.get(kind_of(t), 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
+def real_markdown(
+    results: dict[str, dict[int, RealRun]], mix: dict[str, RealRun], n: int, repeats: int
+) -> str:
+    names = list(results)
+    loads = sorted({load for r in results.values() for load in r})
+    lines = [
+        "### Real engine runs (closed loop)", "",
+        f"Greedy, {n} tokens per request, EOS ignored; tok/s = emitted tokens / wall time (prefills "
+        f"included), median of {repeats}. static = {_arm(BEST_STATIC)}.", "",
+    ]  # fmt: skip
+    head = ["load", *names, *(["goodput / best static", "goodput / plain"] if "goodput" in names else [])]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for load in loads:
+        cells = [str(load)] + [f"{results[p][load].rate:.2f}" for p in names]
+        if "goodput" in names:
+            best = max(results[p][load].rate for p in names if p != "goodput")
+            good = results["goodput"][load].rate
+            cells += [f"{good / best:.3f}x", f"{good / results['plain'][load].rate:.3f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Mixed workload, for real: " + ", ".join(f"{p} {r.rate:.2f} tok/s" for p, r in mix.items())]
+    if "goodput" in mix:
+        best = max(r.rate for p, r in mix.items() if p != "goodput")
+        lines[-1] += f"; goodput / best other = {mix['goodput'].rate / best:.3f}x"
+    return "\n".join([*lines, ""])
+
+
+# ------------------------------------------------------------------------------------ command
+def run_policy_bench(args: Any, settings: Any, build_engine: Callable[..., Any]) -> int:
+    """The `--policies` mode of `specserve bench` (see the module docstring)."""
+    loads = sorted(set(args.loads or LOADS))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = [f"Command: `{' '.join(['specserve', *sys.argv[1:]])}`", ""]
+    engine = None
+    if args.record_traces or args.real_loads:
+        slots = max([*loads, *(args.real_loads or [])])
+        engine = build_engine(settings, True, slots, RECORD_DEPTH, args.max_tokens)
+    if args.record_traces:
+        print("profiling the cost model ...", file=sys.stderr)
+        cost = engine.profile_cost_model()
+        prompts = [p for p in TRACE_PROMPTS if not args.kinds or p.kind in args.kinds]
+        traces = TraceSet(
+            f"{settings.model.target}+{settings.model.draft}",
+            tuple(record_traces(engine, prompts, args.max_tokens, log=lambda s: print(s, file=sys.stderr))),
+            cost.to_dict(), notes=f"recorded by: specserve {' '.join(sys.argv[1:])}",
+        )  # fmt: skip
+        traces.save(args.record_traces)
+        print(f"wrote {args.record_traces}", file=sys.stderr)
+    trace_path = Path(args.record_traces or args.traces or DEFAULT_TRACES)
+    traces = TraceSet.load(trace_path)
+    cost = FittedCostModel.from_dict(traces.cost_model)
+    table = run_simulation(traces.traces, cost, loads)
+    sections.append(simulation_markdown(table, traces))
+    if args.real_loads:
+        names = ["plain", "static", "goodput"]
+        prompts = [p for p in TRACE_PROMPTS if not args.kinds or p.kind in args.kinds]
+        real, mix = run_real(engine, prompts, cost, sorted(set(args.real_loads)), args.max_tokens, names,
+                             args.repeats, log=lambda s: print(s, file=sys.stderr))  # fmt: skip
+        sections.append(real_markdown(real, mix, args.max_tokens, args.repeats))
+    markdown = "\n".join(sections)
+    stem = out / f"policies-{time.strftime('%Y%m%d-%H%M%S')}.md"
+    stem.write_text(markdown)
+    print(markdown)
+    print(f"wrote {stem}", file=sys.stderr)
+    return 0
