@@ -18,6 +18,15 @@ Two levels of exponential moving average per position:
   measured again), then it tracks the request with step ``alpha``. One request's text can be
   far more (or less) predictable than its class.
 
+Positions with little evidence lean on the position before them: position j's estimate is
+(n_j * rate_j + w * est_{j-1} * decay) / (n_j + w), n_j the times it was judged (for a pool; a
+request's own count for a request), w = ``prior_weight``. Measured on the Qwen pair the
+conditional acceptance is nearly flat over the first six positions (code 0.85, 0.83, 0.81, 0.79,
+...), so a request (or a whole class) that only ever drafted one token is estimated deeper down
+from what it showed at position 0. Without this the default stays in place deeper down forever
+and a policy never learns that drafting deeper pays (an exploration trap). An explicit prior
+(shared statistics) counts as evidence at every position.
+
 ``drain_counts`` hands the raw counts since the last drain to the shared-stats writer.
 """
 
@@ -81,8 +90,11 @@ class AcceptanceEstimator:
         self.prior_weight = prior_weight
         self.pool_alpha = pool_alpha
         self.default = tuple(min(1.0, max(0.0, default * decay**j)) for j in range(max_depth))
+        self.decay = decay
         self._priors: dict[tuple[str, str], tuple[float, ...]] = {}
         self._pool: dict[tuple[str, str], list[float]] = {}  # (proposer, workload) -> rates
+        # per pool: how often each position was judged (an explicit prior counts as plenty)
+        self._pool_seen: dict[tuple[str, str], list[float]] = {}
         self._rates: dict[str, dict[str, list[float]]] = {}  # request id -> proposer -> rates
         self._seen: dict[str, dict[str, list[int]]] = {}  # request id -> proposer -> times reached
         self._workload: dict[str, str] = {}  # request id -> workload
@@ -107,14 +119,23 @@ class AcceptanceEstimator:
         self._priors[(proposer, workload)] = tuple(self._pad(rates))
         for key in [k for k in self._pool if k[0] == proposer and workload in (k[1], ANY)]:
             del self._pool[key]
+            self._pool_seen.pop(key, None)
 
     def prior(self, proposer: str, workload: str) -> tuple[float, ...]:
         """What a request of ``workload`` with no history of ``proposer`` is estimated at."""
         pool = self._pool.get((proposer, workload))
         if pool is not None:
-            return tuple(pool)
+            return tuple(self._lean(pool, self._pool_seen[(proposer, workload)]))
         prior = self._priors.get((proposer, workload)) or self._priors.get((proposer, ANY))
         return prior if prior is not None else self.default
+
+    def _lean(self, rates: Sequence[float], seen: Sequence[float]) -> list[float]:
+        """Each position past the first blended with the one before it by evidence (module doc)."""
+        out = list(rates)
+        for j in range(1, len(out)):
+            n = seen[j] if j < len(seen) else 0.0
+            out[j] = (n * out[j] + self.prior_weight * out[j - 1] * self.decay) / (n + self.prior_weight)
+        return out
 
     def start(self, request_id: str, workload: str) -> None:
         """Tell the estimator a request's workload class (else the first update's, else "*")."""
@@ -130,7 +151,11 @@ class AcceptanceEstimator:
         accepted = min(max(0, int(accepted)), drafted)
         workload = self._workload.setdefault(request_id, workload or ANY)
         pool_key = (proposer, workload)
-        pool = self._pool.setdefault(pool_key, list(self.prior(proposer, workload)))
+        if pool_key not in self._pool:
+            has_prior = (proposer, workload) in self._priors or (proposer, ANY) in self._priors
+            self._pool_seen[pool_key] = [1e9 if has_prior else 0.0] * self.max_depth
+            self._pool[pool_key] = list(self.prior(proposer, workload))
+        pool = self._pool[pool_key]
         rates = self._rates.setdefault(request_id, {}).setdefault(proposer, list(pool))
         seen = self._seen.setdefault(request_id, {}).setdefault(proposer, [0] * self.max_depth)
         for j in range(min(accepted + 1, drafted)):
@@ -138,6 +163,7 @@ class AcceptanceEstimator:
             seen[j] += 1
             rates[j] += max(self.alpha, 1.0 / (seen[j] + self.prior_weight)) * (hit - rates[j])
             pool[j] += self.pool_alpha * (hit - pool[j])
+            self._pool_seen[pool_key][j] += 1
         self._counts.setdefault(pool_key, PositionCounts()).add(drafted, accepted)
 
     def estimate(
@@ -147,6 +173,8 @@ class AcceptanceEstimator:
         rates = self._rates.get(request_id, {}).get(proposer)
         if rates is None:
             rates = self.prior(proposer, self._workload.get(request_id, workload or ANY))
+        else:
+            rates = self._lean(rates, self._seen[request_id][proposer])
         out = tuple(rates[: max(0, max_depth)])
         return out + (out[-1:] or self.default[:1]) * (max_depth - len(out))
 

@@ -4,8 +4,9 @@ Three parts, one command:
 
 1. **Traces** (``--record-traces PATH``): each prompt of ``TRACE_PROMPTS`` (code, JSON, chat and
    prose, written for this benchmark) runs greedily once per loaded proposer at a fixed depth;
-   every decode step's (position, drafted, accepted) becomes the per-position ``matches`` of a
-   ``policies.traces.RecordedTrace``. The cost model is profiled on the same engine (the replica's
+   the draft model's per-position ``matches`` come exactly from a teacher-forced forward over the
+   output, the n-gram's from each decode step's (position, drafted, accepted) (a
+   ``policies.traces.RecordedTrace``). The cost model is profiled on the same engine (the replica's
    start-up profile, heavy batches included) and saved beside the traces. The repository ships
    one such file for the Qwen2.5-Coder 1.5B / 0.5B pair on the 2-core CPU (``DEFAULT_TRACES``).
 2. **Simulation**: the traces replayed through every registered policy (static at the depth the
@@ -74,7 +75,12 @@ TRACE_PROMPTS: list[Prompt] = [
 # ------------------------------------------------------------------------------------ recording
 def record_traces(engine: Any, prompts: Sequence[Prompt], n: int, depth: int = RECORD_DEPTH,
                   log: Callable[[str], None] = print) -> list[RecordedTrace]:  # fmt: skip
-    """Each prompt, greedy, ``n`` tokens (EOS ignored), once per proposer at ``depth``."""
+    """Each prompt, greedy, ``n`` tokens (EOS ignored), once per proposer at ``depth``.
+
+    A proposer with a draft ``model`` (the draft model) also gets its matches exactly, by teacher
+    forcing (``teacher_forced_matches``) over the output; the others (n-gram) from the recorded
+    steps (``policies.traces.matches_from_steps``).
+    """
     from serve_app.engine.request import SpecOverride
     from serve_app.engine.sampling import SamplingParams
 
@@ -84,16 +90,42 @@ def record_traces(engine: Any, prompts: Sequence[Prompt], n: int, depth: int = R
         ids = engine.encode_prompt(prompt.text, chat=prompt.chat)
         matches, workload = {}, classify(prompt.text, None)
         for proposer in engine.proposers:
-            steps, generated, accepted, drafted = [], 0, 0, 0
+            steps, output, accepted, drafted = [], [], 0, 0
             for out in engine.stream(ids, params, SpecOverride(proposer, max_depth=depth)):
-                if generated:  # the first output is the prefill's token
-                    steps.append(StepRecord(generated - 1, out.step_drafted, out.step_accepted))
+                if output:  # the first output is the prefill's token
+                    steps.append(StepRecord(len(output) - 1, out.step_drafted, out.step_accepted))
                     accepted, drafted = accepted + out.step_accepted, drafted + out.step_drafted
-                generated += len(out.new_token_ids)
-            matches[proposer] = matches_from_steps(steps, n - 1)
+                output += out.new_token_ids
+            model = getattr(engine.proposers[proposer], "model", None)
+            if model is not None and hasattr(model, "logits"):
+                matches[proposer] = teacher_forced_matches(model, ids, output)
+            else:
+                matches[proposer] = matches_from_steps(steps, n - 1)
             log(f"[traces] {prompt.kind}/{prompt.name} {proposer}: accepted {accepted}/{drafted}")
         traces.append(RecordedTrace(f"{prompt.kind}/{prompt.name}", workload, len(ids), n - 1, matches))
     return traces
+
+
+def teacher_forced_matches(model: Any, prompt: Sequence[int], output: Sequence[int]) -> tuple[int, ...]:
+    """Exact matches of a greedy draft model, from ONE forward over prompt + output.
+
+    A greedy draft that starts after ``g + 1`` output tokens proposes output[g + 1], then keeps
+    proposing from its own tokens, which equal the output's while they match: so its accepted run
+    is the number of consecutive k >= g + 1 where the draft's next-token guess from the TRUE prefix
+    (prompt + output[:k]) is output[k]. Every such guess comes out of one teacher-forced forward.
+    No depth cap, and no unknown position after a fully accepted draft (which recording has).
+    """
+    import torch
+
+    cache = model.new_cache(1, len(prompt) + len(output))
+    slot = cache.allocate()
+    tokens = torch.tensor([list(prompt) + list(output[:-1])], device=model.device)
+    hidden = model.forward(tokens, cache, [slot])  # [1, P + n - 1, hidden]
+    guesses = model.logits(hidden[0, len(prompt) - 1 :]).argmax(-1).tolist()  # [n]: guess of output[k]
+    run = [0] * (len(output) + 1)
+    for k in range(len(output) - 1, -1, -1):
+        run[k] = run[k + 1] + 1 if guesses[k] == output[k] else 0
+    return tuple(run[g + 1] for g in range(len(output) - 1))
 
 
 def kind_of(trace: RecordedTrace) -> str:
@@ -133,21 +165,22 @@ class SimTable:
 
 def run_simulation(traces: Sequence[RecordedTrace], cost: FittedCostModel, loads: Sequence[int],
                    max_depth: int = RECORD_DEPTH, seed: int = 0) -> SimTable:  # fmt: skip
-    sim = replay(traces)
+    base = replay(traces)
     names = compared_policies()
     rate: dict[str, dict[int, float]] = {p: {} for p in names}
     depth: dict[str, dict[int, float]] = {p: {} for p in names}
     oracle = {}
     for load in loads:
+        sim = base * max(1, -(-2 * load // len(base)))  # at least two requests per slot
         for name in names:
             result = simulate(make_policy(name, max_depth), sim, cost, load, max_depth=max_depth, seed=seed)
             rate[name][load], depth[name][load] = result.tokens_per_second, result.mean_draft_depth
         arm, best, _ = oracle_best_static(sim, cost, load, max_depth=max_depth, seed=seed)
         oracle[load] = (arm, best.tokens_per_second)
-    phases = mix_phases(sim, [kind_of(t) for t in traces])
+    phases = mix_phases(base, [kind_of(t) for t in traces])
     mix = {n: simulate_mix(make_policy(n, max_depth), phases, cost, max_depth=max_depth, seed=seed)
            for n in names}  # fmt: skip
-    arms = [(None, 0)] + [(p, d) for p in sim[0].proposers() for d in range(1, max_depth + 1)]
+    arms = [(None, 0)] + [(p, d) for p in base[0].proposers() for d in range(1, max_depth + 1)]
     mixed: dict[tuple[str | None, int], SimResult] = {
         arm: simulate_mix(static_policy(arm, max_depth), phases, cost, max_depth=max_depth, seed=seed)
         for arm in arms
@@ -327,6 +360,7 @@ def run_policy_bench(args: Any, settings: Any, build_engine: Callable[..., Any])
     trace_path = Path(args.record_traces or args.traces or DEFAULT_TRACES)
     traces = TraceSet.load(trace_path)
     cost = FittedCostModel.from_dict(traces.cost_model)
+    cost.reset_corrections()  # the profile's fit; online corrections are the recording run's
     table = run_simulation(traces.traces, cost, loads)
     sections.append(simulation_markdown(table, traces))
     if args.real_loads:

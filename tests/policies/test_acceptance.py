@@ -35,7 +35,8 @@ def test_only_positions_judged_on_their_own_merit_are_updated():
     )
     est.start("r", "code")
     est.update("r", "draft", drafted=5, accepted=2)  # positions 0, 1 accepted; 2 rejected; 3, 4 unknown
-    assert est.estimate("r", "draft", 6) == (0.75, 0.75, 0.25, 0.5, 0.5, 0.5)
+    # 3.. never judged: extrapolated from position 2, the deepest observed (decay 1 here)
+    assert est.estimate("r", "draft", 6) == (0.75, 0.75, 0.25, 0.25, 0.25, 0.25)
     est.update("r", "draft", drafted=2, accepted=2)  # all accepted: no rejection observed
     assert est.estimate("r", "draft", 3) == (0.875, 0.875, 0.25)
     est.update("r", "draft", drafted=0, accepted=0)  # no draft: nothing learned
@@ -114,3 +115,24 @@ def test_bad_parameters():
         AcceptanceEstimator(alpha=0.0)
     with pytest.raises(ValueError):
         AcceptanceEstimator({("draft",): (0.5,)})
+
+
+def test_positions_never_drafted_follow_the_deepest_observed_one():
+    """A request that only ever drafts one token still learns that deeper drafts would pay
+    (otherwise deeper positions stay at the default and a policy never tries them)."""
+    est = AcceptanceEstimator(default=0.5, decay=0.9, max_depth=4)
+    est.start("r", "code")
+    for _ in range(30):
+        est.update("r", "draft", drafted=1, accepted=1)
+    rates = est.estimate("r", "draft", 4)
+    assert rates[0] > 0.95
+    assert rates[1:] == pytest.approx([rates[0] * 0.9, rates[0] * 0.81, rates[0] * 0.729])
+    # the pool (what a new request of the class starts from) extrapolates the same way
+    est.start("new", "code")
+    pool = est.estimate("new", "draft", 4)
+    assert pool[0] > 0.5 and pool[1] == pytest.approx(pool[0] * 0.9)
+    # an explicit prior counts as knowledge of every position: nothing is extrapolated over it
+    est.set_prior("draft", "json", (0.9, 0.2, 0.2, 0.2))
+    est.start("j", "json")
+    est.update("j", "draft", drafted=1, accepted=1)
+    assert est.estimate("j", "draft", 4)[1] == pytest.approx(0.2, abs=0.01)

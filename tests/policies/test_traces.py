@@ -1,0 +1,71 @@
+"""Recorded traces: matches per position, the file format, replay, mixes, and the shipped file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import policies
+from policies import PolicyConfig, create_policy
+from policies.simulate import Phase, Trace, replay, simulate, simulate_mix
+from policies.traces import RecordedTrace, StepRecord, TraceSet, matches_from_steps
+from tests.policies.helpers import qwen_cpu_cost
+
+SHIPPED = Path(policies.__file__).parent / "traces" / "qwen2.5-coder-1.5b-0.5b-cpu.json"
+
+
+def test_matches_fill_the_positions_a_step_skipped():
+    # step at 0 kept 3 (emitted 4: positions 0..3), step at 4 kept 0, step at 5 kept 8 of 8
+    steps = [StepRecord(0, 8, 3), StepRecord(4, 8, 0), StepRecord(5, 8, 8)]
+    assert matches_from_steps(steps, 12) == (3, 2, 1, 0, 0, 8, 7, 6, 5, 4, 3, 2)
+
+
+def test_trace_set_round_trips(tmp_path):
+    traces = (RecordedTrace("code/a", "code", 12, 5, {"draft": (2, 1, 0, 4, 3)}),)
+    original = TraceSet("t+d", traces, {"target": [0.1, 0, 0, 0], "knee": 4, "draft": {}}, "notes")
+    original.save(tmp_path / "t.json")
+    assert TraceSet.load(tmp_path / "t.json") == original
+    (tmp_path / "bad.json").write_text('{"format": 99, "model_pair": "x", "traces": []}')
+    with pytest.raises(ValueError, match="format"):
+        TraceSet.load(tmp_path / "bad.json")
+
+
+def test_replay_keeps_min_of_match_and_depth_exactly():
+    # matches as a depth-8 recording would give them; a depth-2 policy keeps min(match, 2)
+    trace = Trace("code", 10, 12, matches={"draft": (3, 2, 1, 0, 0, 8, 7, 6, 5, 4, 3, 2)})
+    policy = create_policy("static", PolicyConfig(default_proposer="draft", default_depth=2))
+    result = simulate(policy, [trace], qwen_cpu_cost(), 1, include_prefill=False)
+    # g=0: keep 2 (emit 3) -> g=3: match 0, emit 1 -> g=4: 0, emit 1 -> g=5: keep 2 -> g=8: keep 2
+    # -> g=11: one token left, so no draft (limits): plain
+    assert result.accepted["draft"] == 2 + 0 + 0 + 2 + 2
+    assert result.tokens == 12 and result.steps == 6
+
+
+def test_a_mix_carries_one_policy_through_its_phases():
+    traces = [Trace("code", 50, 20, matches={"draft": (4,) * 20}) for _ in range(4)]
+    cost = qwen_cpu_cost()
+    policy = create_policy("plain")
+    phases = [Phase(traces[:2], 1), Phase(traces, 4)]
+    mixed = simulate_mix(policy, phases, cost, proposers=("draft",))
+    parts = [
+        simulate(create_policy("plain"), p.traces, cost, p.concurrency, proposers=("draft",)) for p in phases
+    ]
+    assert mixed.tokens == sum(p.tokens for p in parts) == 120
+    assert mixed.seconds == pytest.approx(sum(p.seconds for p in parts))
+
+
+def test_the_shipped_qwen_traces_cover_every_kind_and_proposer():
+    traces = TraceSet.load(SHIPPED)
+    kinds = {t.name.split("/")[0] for t in traces.traces}
+    assert kinds == {"code", "json", "chat", "prose"}
+    assert all({"draft", "ngram"} <= set(t.matches) for t in traces.traces)
+    assert all(len(m) == t.output_len for t in traces.traces for m in t.matches.values())
+    assert traces.cost_model["target"][0] > 0 and "draft" in traces.cost_model["draft"]
+    # the draft model agrees with the target far more on code than on prose
+    def mean_match(kind: str) -> float:
+        values = [x for t in traces.traces if t.name.startswith(kind) for x in t.matches["draft"]]
+        return sum(values) / len(values)
+
+    assert mean_match("code") > mean_match("prose")
+    assert len(replay(traces.traces)) == len(traces.traces)
