@@ -61,9 +61,10 @@ class CacheSettings(_Section):
 
 
 class SpeculationSettings(_Section):
-    method: Literal["off", "draft", "ngram"] = Field(
+    method: Literal["off", "draft", "ngram", "self"] = Field(
         "draft",
-        description="Proposer for requests that leave speculation to the server ('auto'); off = plain.",
+        description="Proposer for requests that leave speculation to the server ('auto'); off = plain; "
+        "self = the target drafts through a subset of its layers (no draft model needed).",
     )
     policy: str = Field(
         "goodput", description="Who decides each request's proposer and depth (`specserve policies`)."
@@ -89,6 +90,16 @@ class SpeculationSettings(_Section):
         ge=0.0,
         le=1.0,
         description="A greedy draft stops early once its top token's probability falls below this.",
+    )
+    self_spec: bool = Field(
+        False,
+        description="Also load the self-speculative proposer ('self') when method is another one "
+        "(it costs no memory), so requests and the policy can choose it.",
+    )
+    self_spec_skip: list[int] | None = Field(
+        None,
+        description="Layers the self-speculative draft skips; null = the calibration stored with the "
+        "model (`specserve calibrate self-spec`), else the shipped one, else a default.",
     )
     ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix the n-gram proposer matches.")
     ngram_min: int = Field(2, ge=1, le=16, description="Shortest suffix the n-gram proposer matches.")
