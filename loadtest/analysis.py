@@ -78,6 +78,8 @@ class CellResult:
     per_workload: dict[str, dict[str, Any]] = field(default_factory=dict)
     server: ServerCounters = field(default_factory=ServerCounters)
     token_mismatch: float | None = None  # |client - server| / server
+    locust_requests: int = 0  # Locust's own final statistics (POST events; response length = tokens)
+    locust_tokens: int = 0
     replica_seconds: float = 0.0
     replica_hour_price: float = 0.0
     cost_per_1m_tokens: float | None = None
@@ -102,6 +104,14 @@ def read_records(path: Path) -> list[RequestRecord]:
         return []
     lines = (line for line in path.read_text().splitlines() if line.strip())
     return [RequestRecord.from_dict(json.loads(line)) for line in lines]
+
+
+def locust_totals(path: Path) -> tuple[int, int]:
+    """(requests, output tokens) of the POST events in Locust's final statistics (``--json-file``)."""
+    if not path.exists():
+        return 0, 0
+    entries = [e for e in json.loads(path.read_text()) if e.get("method") == "POST"]
+    return sum(int(e["num_requests"]) for e in entries), sum(int(e["total_content_length"]) for e in entries)
 
 
 def _acceptance(records: Iterable[RequestRecord]) -> float | None:

@@ -116,11 +116,17 @@ class LocalCluster:
     def running_replicas(app_name: str) -> int:
         """RUNNING replicas of the engine deployment of ``app_name`` (0 if it is not deployed)."""
         from ray import serve
+        from ray.serve import context
 
         try:
-            app = serve.status().applications.get(app_name)
-        except Exception:
-            return 0
+            status = serve.status()
+        except Exception:  # a handle to an earlier cell's controller, cached by Serve: find the new one
+            context._disconnect()
+            try:
+                status = serve.status()
+            except Exception:
+                return 0
+        app = status.applications.get(app_name)
         if app is None or ENGINE_DEPLOYMENT not in app.deployments:
             return 0
         states = app.deployments[ENGINE_DEPLOYMENT].replica_states

@@ -170,17 +170,20 @@ def write_report(
     lines += [
         "## Counter check",
         "",
-        "Output tokens counted by the client (sum of `usage.completion_tokens`) vs the server's "
-        "`specserve_generation_tokens` counter over the same run.",
+        "Output tokens counted by the client (sum of `usage.completion_tokens`; Locust's own statistics "
+        "count the same as response lengths) vs the server's `specserve_generation_tokens` counter over "
+        "the same run; requests likewise (`specserve_request_success`).",
         "",
-        "| policy | users | mix | client tokens | server tokens | mismatch | server requests | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| policy | users | mix | client tokens | Locust tokens | server tokens | mismatch | "
+        "client / Locust / server requests | server start s | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         errors = "; ".join(r.errors)[:200] or "-"
         lines.append(
-            f"| {r.policy} | {r.users} | {r.mix} | {r.output_tokens} | {r.server.generation_tokens:.0f} | "
-            f"{_pct(r.token_mismatch)} | {r.server.requests:.0f} | {errors} |"
+            f"| {r.policy} | {r.users} | {r.mix} | {r.output_tokens} | {r.locust_tokens} | "
+            f"{r.server.generation_tokens:.0f} | {_pct(r.token_mismatch)} | "
+            f"{r.requests} / {r.locust_requests} / {r.server.requests:.0f} | {r.startup_s:.0f} | {errors} |"
         )
     path = folder / "report.md"
     path.write_text("\n".join(lines) + "\n")

@@ -182,6 +182,8 @@ def _run_locust(
         server.url,
         "--csv",
         str(folder / "locust"),
+        "--json-file",
+        str(folder / "locust_stats"),
         "--records",
         str(records),
         "--max-requests",
@@ -257,6 +259,9 @@ def run_cell(
             policy, users, mix, records, counters, sampler.replica_seconds(*window), price
         )
         result.startup_s = server.startup_s
+        result.locust_requests, result.locust_tokens = analysis.locust_totals(folder / "locust_stats.json")
+        if records and result.replica_seconds <= 0:
+            result.errors.append("the replica count could not be read (serve.status()); cost unknown")
         if code not in (0, 1):  # 1: some requests failed (counted in the result)
             result.errors.append(f"locust exited with {code}; see {folder / 'locust.log'}")
         progress.phase("stopping the server")

@@ -1,0 +1,85 @@
+"""The load matrix end to end, small: SmolLM2 (as target and draft), two policies, one load level.
+
+`specserve loadtest` runs in a subprocess (it starts its own local Ray cluster, a `specserve serve`
+per cell and Locust); the test checks that the report is produced and that its numbers agree:
+tokens counted by the client equal the server's counter, no request failed, Locust's own CSVs
+count the same requests, replica-seconds cover the measured window.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.mark.slow
+@pytest.mark.pack(MODEL)
+def test_smoke_matrix_report_is_consistent(tmp_path: Path, smollm2_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "serve_app.cli",
+        "loadtest",
+        "--model",
+        MODEL,
+        "--draft",
+        MODEL,
+        "--policies",
+        "plain",
+        "static",
+        "--users",
+        "2",
+        "--mixes",
+        "structured",
+        "--run-time",
+        "8",
+        "--max-requests",
+        "12",
+        "--max-tokens",
+        "32",
+        "--stop-timeout",
+        "60",
+        "--slots",
+        "4",
+        "--out",
+        str(tmp_path),
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=420)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    report = (folder / "report.md").read_text()
+    assert "## Mix `structured`" in report and "## Counter check" in report
+    for name in ("throughput_structured.png", "cost_structured.png", "latency_cdf_structured.png"):
+        assert (folder / name).stat().st_size > 1000
+
+    data = json.loads((folder / "cells.json").read_text())
+    cells = {c["policy"]: c for c in data["cells"]}
+    assert set(cells) == {"plain", "static"}
+    for policy, c in cells.items():
+        assert c["errors"] == [] and c["requests"] > 0 and c["failures"] == 0, c
+        assert abs(c["output_tokens"] - c["server"]["generation_tokens"]) <= max(
+            1, 0.01 * c["output_tokens"]
+        ), c
+        assert c["server"]["requests"] == c["requests"]
+        assert 0.5 * c["window_s"] <= c["replica_seconds"] <= 1.5 * c["window_s"]  # one replica, all along
+        assert c["cost_per_1m_tokens"] > 0 and c["tokens_per_s"] > 0
+        assert c["latency_s"]["p50"] <= c["latency_s"]["p99"] and c["ttft_s"]["p50"] <= c["latency_s"]["p50"]
+        cell = folder / "structured" / policy / "u2"
+        assert (c["locust_requests"], c["locust_tokens"]) == (c["requests"], c["output_tokens"])
+        with open(cell / "locust_stats.csv") as f:  # Locust's CSVs are there (written every second)
+            assert {r["Name"] for r in csv.DictReader(f)} >= {"code", "json", "Aggregated"}
+        assert sum(1 for line in (cell / "records.jsonl").read_text().splitlines() if line) == c["requests"]
+        assert "[specserve] shutting down" in (cell / "server.log").read_text()  # stopped cleanly
+    plain, static = cells["plain"], cells["static"]
+    assert plain["acceptance"] is None and plain["server"]["draft_tokens"] == 0
+    assert static["acceptance"] and static["server_acceptance"] == pytest.approx(
+        static["acceptance"], abs=0.01
+    )
+    assert plain["savings_vs_plain"] == 0 and static["speedup_vs_plain"] is not None
