@@ -11,7 +11,7 @@ FIND_LINKS := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS),)
 TEST_PACKS ?= smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
-.PHONY: venv install generate serve test lint bench models fetch-test-packs clean
+.PHONY: venv install generate serve test lint bench loadtest models fetch-test-packs clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -44,6 +44,10 @@ lint: install
 
 bench: install
 	$(VENV)/bin/specserve bench
+
+# The full load matrix (every policy x 1/4/16/32 users, Qwen pair); report in loadtest/results/.
+loadtest: install fetch-test-packs
+	$(VENV)/bin/specserve loadtest
 
 models: install
 	$(VENV)/bin/specserve models list
