@@ -69,6 +69,7 @@ class CellResult:
     window_s: float = 0.0
     output_tokens: int = 0
     tokens_per_s: float = 0.0
+    load_tokens_per_s: float | None = None  # the server's token counter during the load phase only
     requests_per_s: float = 0.0
     latency_s: dict[str, float | None] = field(default_factory=dict)
     ttft_s: dict[str, float | None] = field(default_factory=dict)

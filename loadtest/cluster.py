@@ -21,6 +21,8 @@ import urllib.request
 from collections.abc import Mapping
 from types import TracebackType
 
+from loadtest.analysis import GENERATION_TOKENS
+
 ENGINE_DEPLOYMENT = "EngineDeployment"  # serve_app.app.ENGINE_DEPLOYMENT (not imported: no Ray at import)
 METRICS_REPORT_INTERVAL_MS = 1000
 
@@ -134,12 +136,17 @@ class LocalCluster:
 
 
 class ReplicaSampler:
-    """Samples the replica count in a background thread; integrates replica-seconds over a window."""
+    """Samples, every ``interval_s`` in a background thread, the replica count (for replica-seconds)
+    and, given a cluster, the server's generated-token counter (for tokens/s during the load phase,
+    whatever the drain after it does)."""
 
-    def __init__(self, app_name: str, interval_s: float = 1.0) -> None:
+    def __init__(self, app_name: str, cluster: LocalCluster | None = None, interval_s: float = 1.0) -> None:
         self.app_name = app_name
+        self.cluster = cluster
         self.interval_s = interval_s
         self.samples: list[tuple[float, int]] = []  # (time.time(), running replicas)
+        self.tokens: list[tuple[float, float]] = []  # (time.time(), generated tokens since the start)
+        self._baseline: dict[Series, float] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="replica-sampler", daemon=True)
 
@@ -154,11 +161,27 @@ class ReplicaSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.samples.append((time.time(), LocalCluster.running_replicas(self.app_name)))
+            if self.cluster is not None:
+                scrape = self.cluster.scrape()
+                if scrape:
+                    if self._baseline is None:
+                        self._baseline = scrape
+                    delta = counter_delta(self._baseline, scrape, GENERATION_TOKENS)
+                    self.tokens.append((time.time(), delta))
             self._stop.wait(self.interval_s)
 
     def replica_seconds(self, start: float, end: float) -> float:
         """Integral of the replica count over [start, end] (each sample holds until the next)."""
         return integrate_samples(self.samples, start, end)
+
+    def tokens_per_s(self, start: float, end: float) -> float | None:
+        """Generated tokens per second between the samples nearest ``start`` and ``end`` (None: too few)."""
+        inside = [(t, n) for t, n in self.tokens if start - self.interval_s <= t <= end + self.interval_s]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return None
+        first = min(inside, key=lambda s: abs(s[0] - start))
+        last = min(inside, key=lambda s: abs(s[0] - end))
+        return (last[1] - first[1]) / (last[0] - first[0]) if last[0] > first[0] else None
 
 
 def integrate_samples(samples: list[tuple[float, int]], start: float, end: float) -> float:

@@ -107,15 +107,17 @@ def plot_mix(
 def _mix_section(mix: str, rows: list[CellResult], plots: list[str]) -> list[str]:
     out = [f"## Mix `{mix}`", ""]
     out += [
-        "| policy | users | requests (failed) | output tok/s | vs plain | latency p50/p95/p99 s | "
+        "| policy | users | requests (failed) | output tok/s | load-phase tok/s | vs plain | "
+        "latency p50/p95/p99 s | "
         "TTFT p50/p95/p99 s | TPOT p50/p95/p99 ms | acceptance client / server | replica-h | "
         "USD / 1M tok | savings vs plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r.users, _policies(rows).index(r.policy))):
         speedup = "-" if r.speedup_vs_plain is None else f"{r.speedup_vs_plain:.2f}x"
         out.append(
-            f"| {r.policy} | {r.users} | {r.requests} ({r.failures}) | {r.tokens_per_s:.2f} | {speedup} | "
+            f"| {r.policy} | {r.users} | {r.requests} ({r.failures}) | {r.tokens_per_s:.2f} | "
+            f"{_fmt(r.load_tokens_per_s)} | {speedup} | "
             f"{_triple(r.latency_s)} | {_triple(r.ttft_s)} | {_triple(r.tpot_s, 1000, 0)} | "
             f"{_pct(r.acceptance)} / {_pct(r.server_acceptance)} | {r.replica_seconds / 3600:.4f} | "
             f"{_fmt(r.cost_per_1m_tokens)} | {_pct(r.savings_vs_plain)} |"
@@ -158,7 +160,9 @@ def write_report(
         f"- price: {meta.get('price')} USD per replica-hour (settings `loadtest.replica_hour_price`)",
         f"- wall time of the matrix: {meta.get('wall_s', 0) / 60:.1f} min",
         "",
-        "Output tok/s = output tokens of all requests / (last request end - first request start). "
+        "Output tok/s = output tokens of all requests / (last request end - first request start); "
+        "load-phase tok/s = the server's token counter over the load phase only (before running requests "
+        "drain). "
         "Cost per 1M output tokens = replica-hours in that window x price / output tokens x 1e6; "
         "savings = 1 - cost / cost of `plain` at the same users and mix. Acceptance = accepted / drafted "
         "draft tokens, from the requests' `speculation` blocks (client) and the server's counters.",

@@ -239,7 +239,8 @@ def run_cell(
         server.warm_up(_warmup_bodies(model, mix, args.warmup, warm_tokens))
         before = cluster.settled_scrape(analysis.GENERATION_TOKENS)
         progress.phase(f"load: {users} user(s), {args.run_time:.0f} s, mix {mix}")
-        with ReplicaSampler(APP_NAME) as sampler:
+        with ReplicaSampler(APP_NAME, cluster) as sampler:
+            load_start = time.time()
             code = _run_locust(args, server, model, users, mix, folder, progress)
             after = cluster.settled_scrape(analysis.GENERATION_TOKENS)
         records = analysis.read_records(folder / "records.jsonl")
@@ -259,6 +260,7 @@ def run_cell(
             policy, users, mix, records, counters, sampler.replica_seconds(*window), price
         )
         result.startup_s = server.startup_s
+        result.load_tokens_per_s = sampler.tokens_per_s(load_start, load_start + args.run_time)
         result.locust_requests, result.locust_tokens = analysis.locust_totals(folder / "locust_stats.json")
         if records and result.replica_seconds <= 0:
             result.errors.append("the replica count could not be read (serve.status()); cost unknown")

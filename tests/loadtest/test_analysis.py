@@ -17,7 +17,7 @@ from loadtest.analysis import (
     read_records,
     saturated,
 )
-from loadtest.cluster import counter_delta, integrate_samples, parse_prometheus
+from loadtest.cluster import ReplicaSampler, counter_delta, integrate_samples, parse_prometheus
 from loadtest.report import write_report
 from loadtest.streaming import RequestRecord
 
@@ -50,6 +50,14 @@ def test_replica_seconds_integrate_the_samples() -> None:
     assert integrate_samples(samples, 11.0, 13.0) == 1 + 2
     assert integrate_samples(samples, 5.0, 10.0) == 5.0  # the first sample holds before it
     assert integrate_samples([], 0.0, 1.0) == 0.0 and integrate_samples(samples, 3.0, 3.0) == 0.0
+
+
+def test_sampler_rates_over_the_load_phase() -> None:
+    sampler = ReplicaSampler("app")
+    sampler.tokens = [(100.0 + t, 10.0 * t) for t in range(0, 30)]  # 10 tokens/s
+    sampler.tokens += [(130.0 + t, 290.0 + t) for t in range(0, 20)]  # the drain: 1 token/s
+    assert sampler.tokens_per_s(100.0, 129.0) == pytest.approx(10.0)
+    assert sampler.tokens_per_s(500.0, 600.0) is None
 
 
 def test_percentile_interpolates() -> None:
