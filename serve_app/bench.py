@@ -8,6 +8,8 @@ methods, what speculation did) that produces exactly ``max_tokens`` greedy token
   methods share one engine, built as ``specserve serve`` builds it (draft options from settings),
   each request choosing its proposer and depth through its speculation override.
 - ``specserve-ngram``: our engine, n-gram prompt lookup at the configured depth.
+- ``specserve-self``, ``specserve-self-default``: self-speculation (no draft model) with the
+  calibrated and the default skip sets (``serve_app.bench_self_spec``).
 - ``specserve-auto``: our engine as the server runs it: requests say "auto", the configured policy
   (goodput by default, cost model profiled at start) picks proposer and depth every step.
 - ``transformers-plain``, ``transformers-assisted`` (``assistant_model`` = the draft, same dtype,
@@ -48,6 +50,7 @@ from typing import Any
 
 import torch
 
+from serve_app.bench_self_spec import SELF_METHODS, self_spec_method
 from serve_app.bench_sweeps import (
     CostCurve,
     Sweep,
@@ -103,7 +106,7 @@ PROMPTS: list[Prompt] = [
 def method_names(depths: list[int]) -> list[str]:
     """Every method, in report order, for these draft depths."""
     drafts = [f"specserve-draft-d{k}" for k in sorted(set(depths))]
-    return [PLAIN, AUTO, *drafts, "specserve-ngram", *TRANSFORMERS]
+    return [PLAIN, AUTO, *drafts, "specserve-ngram", *SELF_METHODS, *TRANSFORMERS]
 
 
 def draft_depth(method: str) -> int | None:
@@ -526,6 +529,11 @@ def our_methods(names: list[str], engine: Any, settings: Settings, n: int) -> li
                 f"our engine, n-gram prompt lookup (n {spec.ngram_max}..{spec.ngram_min}), depth {spec.depth}"
             )
             methods.append(specserve_method(engine, n, name, "ngram", spec.depth, note))
+        elif name in SELF_METHODS:
+            from serve_app.engine.store import ModelStore
+
+            folder = ModelStore(settings.store.cache_dir).resolve(settings.model.target)
+            methods.append(self_spec_method(engine, name, folder, spec.depth, n))
     return methods
 
 

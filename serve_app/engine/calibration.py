@@ -133,7 +133,7 @@ class SelfSpecCalibrator:
         prompts: Sequence[Sequence[int]],
         new_tokens: int = 48,
         max_depth: int = 6,
-        batch: int = 16,
+        batch: int = 32,
         log: Callable[[str], None] = lambda message: None,
     ) -> None:
         if not prompts or new_tokens < 2 or max_depth < 1:

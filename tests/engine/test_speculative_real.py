@@ -73,6 +73,24 @@ def test_smollm2_self_draft_bf16(smollm2_path) -> None:
     run_pair(engine, prompts, "draft")
 
 
+def test_smollm2_self_spec_bf16(smollm2_path) -> None:
+    """Self-speculation (the default skip set and an early exit) on the real weights, no draft model."""
+    prompts = None
+    for skip in ([], list(range(20, 30))):  # [] = the stored / shipped / default plan
+        engine = load(smollm2_path, {"self": {"skip_layers": skip}}, depth=3)
+        prompts = prompts or [engine.encode_prompt(p) for p in CODE_PROMPTS]
+        run_pair(engine, prompts, "self")
+
+
+@pytest.mark.slow
+def test_qwen_self_spec_bf16() -> None:
+    """Qwen2.5-Coder-1.5B speculating through its own calibrated (or shipped / default) skip set."""
+    target = pack_path("qwen2.5-coder-1.5b-instruct")
+    engine = load(target, {"self": {}}, depth=4)
+    prompts = [engine.encode_prompt(CODE_PROMPTS[0]), engine.encode_prompt(CHAT_PROMPTS[0], chat=True)]
+    run_pair(engine, prompts, "self")
+
+
 @pytest.mark.slow
 def test_qwen_pair_draft_and_ngram_bf16() -> None:
     target = pack_path("qwen2.5-coder-1.5b-instruct")

@@ -296,10 +296,11 @@ def test_cost_curve_table() -> None:
 # ------------------------------------------------------------------------------------ methods, CLI
 def test_method_selection() -> None:
     assert bench.select_methods(None, [4, 2]) == [
-        OURS, "specserve-auto", D2, "specserve-draft-d4", "specserve-ngram", HF, AS,
-        "transformers-lookup"]  # fmt: skip
+        OURS, "specserve-auto", D2, "specserve-draft-d4", "specserve-ngram", "specserve-self",
+        "specserve-self-default", HF, AS, "transformers-lookup"]  # fmt: skip
     assert bench.select_methods(None, [2], no_transformers=True) == [
-        OURS, "specserve-auto", D2, "specserve-ngram"]  # fmt: skip
+        OURS, "specserve-auto", D2, "specserve-ngram", "specserve-self",
+        "specserve-self-default"]  # fmt: skip
     # Any draft depth may be named; the order is the report's whatever the order asked in.
     assert bench.select_methods([AS, "specserve-draft-d3", OURS], [2]) == [OURS, "specserve-draft-d3", AS]
     assert bench.draft_depth("specserve-draft-d12") == 12 and bench.draft_depth(OURS) is None
