@@ -1,0 +1,96 @@
+"""`specserve bench --policies` on tiny in-memory models: recording, exact matches, the tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policies import FittedCostModel
+from policies.traces import TraceSet
+from serve_app.bench import Prompt
+from serve_app.bench_policies import (
+    closed_loop,
+    policy_engine,
+    record_traces,
+    run_simulation,
+    simulation_markdown,
+    teacher_forced_matches,
+)
+from serve_app.engine.engine import EngineConfig, SpecEngine
+from serve_app.engine.model import DecoderModel
+from serve_app.engine.proposers.draft_model import DraftModelProposer
+from serve_app.engine.proposers.ngram import NgramProposer
+from tests.conftest import make_tiny_hf_model
+
+PROMPTS = [
+    Prompt("code", "add", "def add(a, b):", False),
+    Prompt("prose", "fox", "The quick brown fox", False),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_tokenizer) -> SpecEngine:
+    target_hf = make_tiny_hf_model(len(tiny_tokenizer), seed=0)
+    draft_hf = make_tiny_hf_model(len(tiny_tokenizer), seed=0)
+    with torch.no_grad():  # a draft that mostly, not always, agrees with the target
+        gen = torch.Generator().manual_seed(1)
+        for p in draft_hf.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.15 * p.std())
+    draft = DecoderModel.from_hf_model(draft_hf)
+    config = EngineConfig(max_slots=4, max_seq_len=128, spec_method="draft", spec_depth=4, max_depth=8)
+    proposers = {"draft": DraftModelProposer(draft, draft.cfg.vocab_size, 4, 128), "ngram": NgramProposer()}
+    return SpecEngine(DecoderModel.from_hf_model(target_hf), tiny_tokenizer, config, [0], proposers)
+
+
+def test_teacher_forced_matches_agree_with_what_drafting_really_kept(engine) -> None:
+    traces = record_traces(engine, PROMPTS, 24, depth=8, log=lambda _: None)
+    assert [t.name for t in traces] == ["code/add", "prose/fox"]
+    draft = engine.proposers["draft"].model
+    for prompt, trace in zip(PROMPTS, traces, strict=True):
+        assert set(trace.matches) == {"draft", "ngram"} and trace.output_len == 23
+        ids = engine.encode_prompt(prompt.text)
+        # a real run at the engine's depth keeps what the matches say it keeps
+        depth = engine.config.spec_depth
+        out = engine.generate([ids], _greedy(24), [_override("draft", depth)])[0]
+        exact = teacher_forced_matches(draft, ids, out.token_ids)
+        assert exact == trace.matches["draft"]
+        g, kept_total = 0, 0
+        while g < trace.output_len:
+            kept = min(exact[g], depth, trace.output_len - g - 1)  # the engine's tokens-left cap
+            g, kept_total = g + kept + 1, kept_total + kept
+        assert out.spec_stats.accepted == kept_total
+    values = [m for t in traces for m in t.matches["draft"]]
+    assert 0 in values and any(m > 1 for m in values)  # the draft agrees sometimes, not always
+
+
+def _greedy(n: int):
+    from serve_app.engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _override(mode: str, depth: int):
+    from serve_app.engine.request import SpecOverride
+
+    return SpecOverride(mode, max_depth=depth)
+
+
+def test_simulation_tables_cover_every_policy_and_the_mix(engine) -> None:
+    traces = TraceSet("tiny+tiny", tuple(record_traces(engine, PROMPTS, 16, log=lambda _: None)))
+    cost = FittedCostModel(draft={"draft": (0.03, 0.005, 0.0)})
+    table = run_simulation(traces.traces, cost, [1, 4])
+    assert {"plain", "static", "goodput", "bandit", "heuristic", "batch-threshold"} <= set(table.policies)
+    assert all(table.rate[p][load] > 0 for p in table.policies for load in (1, 4))
+    assert table.oracle[1][1] >= max(table.rate["plain"][1], table.rate["static"][1]) - 1e-9
+    text = simulation_markdown(table, traces)
+    assert "| 4 |" in text and "Mixed workload" in text and "oracle best single static" in text
+
+
+def test_closed_loop_keeps_the_load_and_counts_every_token(engine) -> None:
+    cost = FittedCostModel(draft={"draft": (0.03, 0.005, 0.0)})
+    ids = [engine.encode_prompt(p.text) for p in PROMPTS] * 2
+    for policy in ("plain", "static", "goodput"):
+        run = closed_loop(policy_engine(engine, policy, cost), ids, 2, 10)
+        assert run.tokens == 4 * 10 and run.seconds > 0
+        assert (run.drafted == 0) == (policy == "plain") or policy == "goodput"  # goodput may stay plain
+    assert engine.cache.num_free == engine.cache.num_slots  # every slot given back
