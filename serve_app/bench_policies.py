@@ -47,7 +47,9 @@ DEFAULT_TRACES = Path(policies.__file__).parent / "traces" / "qwen2.5-coder-1.5b
 LOADS = (1, 2, 4, 8, 16, 32)
 RECORD_DEPTH = 8
 BEST_STATIC = ("draft", 4)  # the benchmarks' best fixed depth on code+json (BENCHMARKS.md)
-MIX_LOW, MIX_BURST = 2, 32  # requests in flight in the mixed workload's quiet and burst phases
+# The mixed workload: interactive code and prose one request at a time, then a burst of every trace
+# twice with up to 32 in flight, then interactive again.
+MIX_LOW, MIX_BURST, MIX_REPEAT = 1, 32, 2
 
 TRACE_PROMPTS: list[Prompt] = [
     Prompt("code", "quicksort", "def quicksort(arr):", False),
@@ -146,7 +148,7 @@ def make_policy(name: str, max_depth: int) -> Any:
     return create_policy(name, config)
 
 
-def mix_phases(traces: Sequence[Trace], kinds: Sequence[str], repeat: int = 2) -> list[Phase]:
+def mix_phases(traces: Sequence[Trace], kinds: Sequence[str], repeat: int = MIX_REPEAT) -> list[Phase]:
     """Code and prose at low load, a burst of heavy batch load (every trace), low load again."""
     quiet = [t for t, k in zip(traces, kinds, strict=True) if k in ("code", "prose")]
     return [Phase(quiet, MIX_LOW), Phase(list(traces) * repeat, MIX_BURST), Phase(quiet, MIX_LOW)]
@@ -257,7 +259,7 @@ def run_real(base: Any, prompts: Sequence[Prompt], cost: FittedCostModel, loads:
                     f"accepted {run.accepted}/{run.drafted}")
             results[policy][load] = sorted(runs, key=lambda r: r.rate)[len(runs) // 2]
     quiet = [e for e, p in zip(encoded, prompts, strict=True) if p.kind in ("code", "prose")]
-    phases = [(quiet, MIX_LOW), (encoded * 2, MIX_BURST), (quiet, MIX_LOW)]
+    phases = [(quiet, MIX_LOW), (encoded * MIX_REPEAT, MIX_BURST), (quiet, MIX_LOW)]
     mix = {}
     for policy in policies_:
         engine = policy_engine(base, policy, cost)  # one engine: what it learns carries across phases
@@ -292,8 +294,9 @@ def simulation_markdown(table: SimTable, traces: TraceSet) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     arm, best = table.mix_oracle
     lines += [
-        "", f"Mixed workload (code + prose at {MIX_LOW} in flight, a burst of every trace twice at "
-        f"{MIX_BURST} in flight, code + prose again; one policy instance throughout):", "",
+        "", f"Mixed workload (code + prose prompts at {MIX_LOW} in flight, a burst of every trace "
+        f"{MIX_REPEAT}x at up to {MIX_BURST} in flight, code + prose again; one policy instance "
+        "throughout):", "",
         "| policy | tok/s | / best single static |", "|---|---|---|",
     ]  # fmt: skip
     for name in table.policies:
