@@ -343,3 +343,26 @@ def test_fetch_models_resolves_target_and_draft(
 
 def test_both_overlays_are_profiled() -> None:
     assert set(k8s_config.PROFILES) == set(OVERLAYS)
+
+
+def test_a_self_speculative_replica_needs_no_draft_model(
+    overlay: str, overlay_args: dict[str, Any], clean_env: pytest.MonkeyPatch
+) -> None:
+    """`model.draft: null` with `speculation.method: self`: the overlay renders and validates, the
+    init container fetches the target only, and the engine loads the self-speculative proposer."""
+    from serve_app.cli import engine_config
+
+    args = {**overlay_args, "model": {**overlay_args["model"], "draft": None},
+            "speculation": {**overlay_args.get("speculation", {}), "method": "self"}}  # fmt: skip
+    profile = k8s_config.PROFILES[overlay]
+    config = k8s_config.serve_config(args, profile)
+    ServeDeploySchema.model_validate(config)
+    assert k8s_config.check_serve_config(config, profile) == []
+    (fetch,) = containers(k8s_config.rayservice(args, profile), k8s_config.WORKER_GROUP, init=True)
+    env = specserve_env(fetch)
+    assert "SPECSERVE_MODEL__DRAFT" not in env and env["SPECSERVE_SPECULATION__METHOD"] == "self"
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    assert k8s_config.model_refs(Settings()) == [args["model"]["target"]]
+    engine = engine_config(k8s_config.settings_from(args))
+    assert engine.spec_method == "self" and set(engine.proposer_options) == {"self", "ngram"}
