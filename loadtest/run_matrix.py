@@ -24,9 +24,10 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import requests
 
@@ -36,9 +37,7 @@ from loadtest.progress import Progress
 from loadtest.server import APP_NAME, ServerError, ServerProcess
 from loadtest.streaming import RequestRecord
 from loadtest.workloads import MIXES, Conversation, load_workloads, mix_classes, mix_workloads
-
-if TYPE_CHECKING:
-    from serve_app.config import Settings
+from serve_app.config import Settings, SpeculationSettings
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -51,7 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target model (default: settings)")
     p.add_argument("--draft", help="draft model (default: settings)")
     p.add_argument(
-        "--method", choices=["draft", "ngram", "off"], help="proposer for 'auto' (default: settings)"
+        "--method",
+        choices=typing.get_args(SpeculationSettings.model_fields["method"].annotation),
+        help="proposer for 'auto' (default: settings)",
     )
     p.add_argument(
         "--policies", nargs="+", help="policies (default: plain static goodput, then every other registered)"
