@@ -199,3 +199,17 @@ def test_profiler_times_the_self_draft_step(target_hf, tiny_tokenizer) -> None:
     cost = engine.profile_cost_model(repeats=1)
     assert "self" in cost.draft and cost.draft_time("self", 1, 64) > 0
     assert engine.cache.num_free == 4 and all(n == 0 for n in engine.cache.lengths)
+
+
+def test_shipped_calibrations_are_valid_and_used(tmp_path) -> None:
+    """A pack's folder with no calibration of its own starts with the shipped one."""
+    from serve_app.engine.proposers.skip_plan import PACK_FILE, SHIPPED
+
+    assert SHIPPED
+    for pack, data in SHIPPED.items():
+        folder = tmp_path / pack
+        folder.mkdir()
+        (folder / PACK_FILE).write_text(json.dumps({"pack": pack}))
+        plan = resolve_plan(data["num_layers"], folder=folder)
+        assert plan.source == "shipped" and plan.skip == tuple(data["skip_layers"])
+        assert plan.depth == data["depth"] and 0 < len(plan.skip) < data["num_layers"]
