@@ -4,7 +4,8 @@
   calibration stored with the model, else the shipped one, else the default), at the calibration's
   best depth (settings' depth when the plan has none);
 - ``specserve-self-default``: the default skip set (``skip_plan.default_skip``), at the depth the
-  calibration found best for it (when it was scored), else settings' depth.
+  calibration found best for it (when it scored this set), else the calibrated set's depth, else
+  settings' depth.
 
 Each runs on an engine of its own over the shared target weights (its own KV cache, in which its
 proposer drafts), under the static policy, one request at a time, like the other fixed methods.
@@ -30,13 +31,14 @@ def self_spec_method(engine: Any, name: str, folder: Path | None, depth: int, n:
     model = engine.model
     layers = model.cfg.num_layers
     plan = resolve_plan(layers, folder=folder)
+    calibrated_depth = plan.depth
     if name == SELF_DEFAULT:
         scored = dict(plan.details.get("default") or {})
         stored_depth = (
             scored.get("depth") if tuple(scored.get("skip_layers", ())) == default_skip(layers) else None
         )
         plan = SkipPlan(default_skip(layers), layers, "default", stored_depth)
-    depth = plan.depth or depth
+    depth = plan.depth or calibrated_depth or depth
     cache = model.new_cache(engine.config.max_slots, engine.config.max_seq_len)
     proposer = SelfSpecProposer(model, cache, plan.skip)
     config = replace(
