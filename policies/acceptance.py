@@ -24,8 +24,10 @@ request's own count for a request), w = ``prior_weight``. Measured on the Qwen p
 conditional acceptance is nearly flat over the first six positions (code 0.85, 0.83, 0.81, 0.79,
 ...), so a request (or a whole class) that only ever drafted one token is estimated deeper down
 from what it showed at position 0. Without this the default stays in place deeper down forever
-and a policy never learns that drafting deeper pays (an exploration trap). An explicit prior
-(shared statistics) counts as evidence at every position.
+and a policy never learns that drafting deeper pays (an exploration trap). For a pool, an explicit
+prior (shared statistics) counts as ample evidence at every position, so a new request starts from
+it as given; a request's own estimate weighs only the request's own observations (n_j), so once it
+has drafted, positions it never reached follow what it showed at shallower ones.
 
 ``drain_counts`` hands the raw counts since the last drain to the shared-stats writer.
 """

@@ -35,10 +35,13 @@ def test_only_positions_judged_on_their_own_merit_are_updated():
     )
     est.start("r", "code")
     est.update("r", "draft", drafted=5, accepted=2)  # positions 0, 1 accepted; 2 rejected; 3, 4 unknown
-    # 3.. never judged: extrapolated from position 2, the deepest observed (decay 1 here)
-    assert est.estimate("r", "draft", 6) == (0.75, 0.75, 0.25, 0.25, 0.25, 0.25)
+    # rates 0.75, 0.75, 0.25 (each judged once); each position past the first leans on the one
+    # before it by evidence, (n * rate + w * previous * decay) / (n + w) with n = 1, w = 1:
+    # position 2 = (0.25 + 0.75) / 2; 3.. never judged: equal to the position before
+    assert est.estimate("r", "draft", 6) == (0.75, 0.75, 0.5, 0.5, 0.5, 0.5)
     est.update("r", "draft", drafted=2, accepted=2)  # all accepted: no rejection observed
-    assert est.estimate("r", "draft", 3) == (0.875, 0.875, 0.25)
+    # positions 0, 1 -> 0.875 (judged twice); position 2 unchanged (0.25, once) -> (0.25 + 0.875) / 2
+    assert est.estimate("r", "draft", 3) == pytest.approx((0.875, 0.875, 0.5625))
     est.update("r", "draft", drafted=0, accepted=0)  # no draft: nothing learned
     assert est.estimate("r", "draft", 1) == (0.875,)
 
@@ -131,8 +134,11 @@ def test_positions_never_drafted_follow_the_deepest_observed_one():
     est.start("new", "code")
     pool = est.estimate("new", "draft", 4)
     assert pool[0] > 0.5 and pool[1] == pytest.approx(pool[0] * 0.9)
-    # an explicit prior counts as knowledge of every position: nothing is extrapolated over it
+    # an explicit prior counts as evidence at every position of its pool: a new request of the
+    # class starts from it unchanged
     est.set_prior("draft", "json", (0.9, 0.2, 0.2, 0.2))
     est.start("j", "json")
+    assert est.estimate("j", "draft", 4) == pytest.approx((0.9, 0.2, 0.2, 0.2))
+    # ... while a request's own estimate leans on what the request itself showed
     est.update("j", "draft", drafted=1, accepted=1)
-    assert est.estimate("j", "draft", 4)[1] == pytest.approx(0.2, abs=0.01)
+    assert est.estimate("j", "draft", 4)[1] > 0.5
