@@ -323,7 +323,8 @@ def real_markdown(
         f"Greedy, {n} tokens per request, EOS ignored; tok/s = emitted tokens / wall time (prefills "
         f"included), median of {repeats}. static = {_arm(BEST_STATIC)}.", "",
     ]  # fmt: skip
-    head = ["load", *names, *(["goodput / best static", "goodput / plain"] if "goodput" in names else [])]
+    ratios = ["goodput / best other (plain or static)", "goodput / plain"]
+    head = ["load", *names, *(ratios if "goodput" in names else [])]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for load in loads:
         cells = [str(load)] + [f"{results[p][load].rate:.2f}" for p in names]
