@@ -23,8 +23,8 @@ import torch
 
 from serve_app.engine.model import DecoderModel, DraftOptions
 from serve_app.engine.proposers.base import Draft, ProposeRow
+from serve_app.engine.proposers.choice import choose_tokens
 from serve_app.engine.proposers.registry import ProposerContext, register_proposer
-from serve_app.engine.sampling import process_logits, sample
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +100,13 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = list(range(len(rows)))
         while True:
-            chosen = self._choose([rows[i] for i in active], logits)
+            chosen = choose_tokens([rows[i] for i in active], logits, self.min_confidence > 0)
             unsure = set()
-            for i, (token, q, confidence) in zip(active, chosen, strict=True):
-                tokens[i].append(token)
-                if q is not None:
-                    probs[i].append(q)
-                if confidence < self.min_confidence:
+            for i, choice in zip(active, chosen, strict=True):
+                tokens[i].append(choice.token)
+                if choice.q is not None:
+                    probs[i].append(choice.q)
+                if choice.confidence < self.min_confidence:
                     unsure.add(i)
             active = [i for i in active if len(tokens[i]) < rows[i].depth and i not in unsure]
             if not active:
@@ -143,30 +143,6 @@ class DraftModelProposer:
             return logits[:, :vocab]
         pad = logits.new_full((logits.shape[0], vocab - logits.shape[-1]), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
-
-    def _choose(
-        self, rows: list[ProposeRow], logits: torch.Tensor
-    ) -> list[tuple[int, torch.Tensor | None, float]]:
-        """Each row's next draft token (argmax if greedy, else a sample from q, which is recorded)
-        and the draft's confidence (its top probability)."""
-        if all(row.generator is None for row in rows):
-            if self.min_confidence > 0:
-                top, picked = logits.softmax(dim=-1).max(dim=-1)  # [B], [B]
-                return list(zip(picked.tolist(), [None] * len(rows), top.tolist(), strict=True))
-            return [(t, None, 1.0) for t in logits.argmax(dim=-1).tolist()]
-        device = logits.device
-        q = process_logits(
-            logits,
-            torch.tensor([r.params.temperature for r in rows], device=device),
-            torch.tensor([r.params.top_k for r in rows], device=device),
-            torch.tensor([r.params.top_p for r in rows], device=device),
-        )  # [B, V]
-        picked = sample(q, [r.generator for r in rows]).tolist()
-        confidence = q.max(dim=-1).values.tolist()  # [B]
-        return [
-            (t, None if r.generator is None else q[b], confidence[b])
-            for b, (t, r) in enumerate(zip(picked, rows, strict=True))
-        ]
 
 
 def check_compatible(
