@@ -2,7 +2,8 @@
 
 - plain: a dense tensor, ``F.linear`` (float32 everywhere; bf16 on CUDA).
 - prepacked bf16 (CPU): reordered once into oneDNN's blocked layout; the same kernel family as
-  ``F.linear``, 1.5-2x faster for matrix-vector products on this CPU. The default for bf16 on CPU.
+  ``F.linear``, 1.5-2x faster for matrix-vector products on a CPU with native bf16 (AVX-512 BF16,
+  AMX). The default for bf16 on such CPUs; elsewhere (AVX2 only) bf16 weights stay plain tensors.
 - int8 (CPU, draft models only): per-output-row symmetric int8 weights, half the bytes of bf16.
   Where PyTorch has its x86 / fbgemm quantized engine (any x86-64 build), products run through
   fbgemm's dynamic-quantized linear: each call quantizes the activations to 8 bits per tensor and
@@ -80,10 +81,23 @@ class Int8Weight:
 Weight = torch.Tensor | Int8Weight
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN has native bf16 kernels on this CPU (AVX-512 BF16 / AMX, or AVX-NE-CONVERT).
+
+    Without them (e.g. an AVX2-only CPU) oneDNN refuses to reorder bf16 weights, and bf16 products
+    run through PyTorch's generic kernels instead.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return False
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """Reorder a bf16 CPU weight into oneDNN's blocked layout; other weights are returned as is."""
+    """Reorder a bf16 CPU weight into oneDNN's blocked layout where the CPU has native bf16
+    kernels; other weights (and every weight on a CPU without them) are returned as is."""
     on_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-    if not (on_cpu_bf16 and torch.backends.mkldnn.is_available()):
+    if not (on_cpu_bf16 and onednn_bf16_supported()):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
