@@ -341,6 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     self_spec.add_argument("--max-tokens", type=int, default=48, help="reference tokens per prompt")
     self_spec.add_argument("--max-depth", type=int, default=6, help="deepest draft considered")
     self_spec.add_argument("--no-write", action="store_true", help="print the result, store nothing")
+    self_spec.add_argument(
+        "--curve",
+        type=int,
+        nargs="+",
+        metavar="C",
+        help="instead: acceptance/cost/speedup for C layers skipped (stores nothing)",
+    )
+    self_spec.add_argument("--rank-starts", type=int, default=32, help="starts ranking layers for --curve")
     calibrate.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser(
@@ -373,7 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=int,
         metavar="C",
-        help="also measure plain vs draft vs n-gram throughput at these concurrencies (e.g. 1 2 4 8 16)",
+        help="also measure plain vs speculative throughput at these concurrencies (e.g. 1 2 4 8 16)",
+    )
+    bench.add_argument(
+        "--sweep-modes",
+        nargs="+",
+        choices=["plain", "draft", "ngram", "self"],
+        help="modes of --sweep (default: plain draft ngram self; self runs at its calibrated depth)",
     )
     bench.add_argument(
         "--cost-curve",
