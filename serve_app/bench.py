@@ -50,8 +50,9 @@ from typing import Any
 
 import torch
 
-from serve_app.bench_self_spec import SELF_METHODS, self_spec_method
+from serve_app.bench_self_spec import SELF_METHODS, self_spec_method, sweep_mode_depths
 from serve_app.bench_sweeps import (
+    SWEEP_MODES,
     CostCurve,
     Sweep,
     cost_curve_markdown,
@@ -575,8 +576,14 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
     if ASSISTED in names and not settings.model.draft:
         raise ValueError(f"{ASSISTED} needs a draft model (model.draft / --draft)")
     depths = [k for m in names if (k := draft_depth(m))]
+    sweep_modes = list(getattr(args, "sweep_modes", None) or SWEEP_MODES)
     # The sweep and the cost curve report the draft too, so they load it whatever the methods are.
-    needs_draft = bool(depths) or bool(concurrencies) or args.cost_curve or AUTO in names
+    sweep_draft = bool(concurrencies) and "draft" in sweep_modes
+    needs_draft = bool(depths) or sweep_draft or args.cost_curve or AUTO in names
+    if bool(concurrencies) and "self" in sweep_modes:  # the self proposer drafts in the engine's cache
+        settings = settings.model_copy(
+            update={"speculation": settings.speculation.model_copy(update={"self_spec": True})}
+        )
     if settings.runtime.threads:
         torch.set_num_threads(settings.runtime.threads)
     n, rt, ref, spec = args.max_tokens, settings.runtime, settings.model.target, settings.speculation
@@ -619,9 +626,10 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
         gc.collect()
     sweep = None
     if concurrencies:
-        sweep = measure_sweep(
-            engine, [encoded[p] for p in prompts], concurrencies, n, spec.depth, args.repeats
-        )
+        folder = ModelStore(settings.store.cache_dir).resolve(ref)
+        depths_of = sweep_mode_depths(engine, sweep_modes, folder, spec.self_spec_skip)
+        sweep = measure_sweep(engine, [encoded[p] for p in prompts], concurrencies, n, spec.depth,
+                              args.repeats, sweep_modes, mode_depths=depths_of)  # fmt: skip
     cost_curve = None
     if args.cost_curve:
         cost_curve = measure_cost_curve(model, engine.proposers["draft"].model, repeats=max(5, args.repeats))

@@ -7,12 +7,15 @@
   calibration found best for it (when it scored this set), else the calibrated set's depth, else
   settings' depth.
 
-Each runs on an engine of its own over the shared target weights (its own KV cache, in which its
-proposer drafts), under the static policy, one request at a time, like the other fixed methods.
+Each method runs on an engine of its own over the shared target weights (its own KV cache, in
+which its proposer drafts), under the static policy, one request at a time, like the other fixed
+methods. In the batch sweep (``--sweep``, mode ``self``) the self proposer runs at the depth of
+the plan a replica resolves (``sweep_mode_depths``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -48,3 +51,16 @@ def self_spec_method(engine: Any, name: str, folder: Path | None, depth: int, n:
     note = (f"our engine, self-speculation skipping {len(plan.skip)} of {layers} layers "
             f"({plan.source}: {list(plan.skip)}), depth {depth}")  # fmt: skip
     return specserve_method(own, n, name, "self", depth, note)
+
+
+def sweep_mode_depths(
+    engine: Any, modes: Sequence[str], folder: Path | None, skip: Sequence[int] | None = None
+) -> dict[str, int]:
+    """The sweep's per-mode depths: ``self`` at the depth its resolved plan was calibrated for
+    (none for an explicit or default skip set: the sweep's depth applies)."""
+    from serve_app.engine.proposers.skip_plan import resolve_plan
+
+    if "self" not in modes:
+        return {}
+    plan = resolve_plan(engine.model.cfg.num_layers, list(skip) if skip else None, folder)
+    return {} if plan.depth is None else {"self": plan.depth}

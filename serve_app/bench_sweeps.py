@@ -2,9 +2,11 @@
 
 Batch sweep: for each concurrency c, c greedy requests (the benchmark's prompts, cycled) are
 submitted at once into one engine and run as one continuous batch, plain (every request
-speculation "off") and speculative (every request on one proposer at one depth); throughput is
-all generated tokens / wall time (prefills included), median over repeats after a short warm-up,
-modes interleaved (plain, draft, ngram, plain, ...) so all see the same machine state.
+speculation "off") and speculative (every request on one proposer at one depth: the sweep's depth,
+or the mode's own, e.g. self-speculation at its calibrated depth); throughput is all generated
+tokens / wall time (prefills included), median over repeats after a short warm-up, modes
+interleaved (plain, draft, ngram, self, plain, ...) so all see the same machine state. Modes:
+``--sweep-modes``.
 
 Cost curve: the target's forward over ``[B, T]`` new tokens against a cache of ``context`` tokens
 per row, logits included, for T tokens per row at batch B; and the draft's single-token step.
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-SWEEP_MODES = ("plain", "draft", "ngram")  # plain = speculation "off"; else a proposer name
+SWEEP_MODES = ("plain", "draft", "ngram", "self")  # plain = speculation "off"; else a proposer name
 COST_TOKENS = (1, 2, 4, 8, 16, 32)  # new tokens per row in one target forward
 COST_BATCHES = (1, 8)
 COST_CONTEXT = 200
@@ -59,6 +61,10 @@ class Sweep:
     repeats: int
     modes: list[str]
     points: list[SweepPoint]
+    mode_depths: dict[str, int] = field(default_factory=dict)  # a mode's own depth, over ``depth``
+
+    def depth_of(self, mode: str) -> int:
+        return self.mode_depths.get(mode, self.depth)
 
 
 def measure_sweep(
@@ -68,10 +74,18 @@ def measure_sweep(
     n: int,
     depth: int,
     repeats: int,
-    modes: Sequence[str] = SWEEP_MODES,
+    modes: Sequence[str] | None = None,
     log: Callable[[str], None] = _log,
+    mode_depths: dict[str, int] | None = None,
 ) -> Sweep:
-    """Time every mode at every concurrency (see the module docstring)."""
+    """Time every mode at every concurrency (see the module docstring); ``mode_depths`` gives a
+    mode a depth of its own. Default modes: plain and every one of ``SWEEP_MODES`` loaded."""
+    mode_depths = dict(mode_depths or {})
+    if modes is None:
+        modes = [m for m in SWEEP_MODES if m == "plain" or m in engine.proposers]
+    missing = [m for m in modes if m != "plain" and m not in engine.proposers]
+    if missing:
+        raise ValueError(f"sweep modes {missing} have no proposer loaded ({', '.join(engine.proposers)})")
     from serve_app.engine.request import SpecOverride
     from serve_app.engine.sampling import SamplingParams
 
@@ -86,7 +100,8 @@ def measure_sweep(
             tokens = min(n, 16) if rep == 0 else n
             params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
             for mode in modes:
-                spec = SpecOverride("off") if mode == "plain" else SpecOverride(mode, max_depth=depth)
+                k = mode_depths.get(mode, depth)
+                spec = SpecOverride("off") if mode == "plain" else SpecOverride(mode, max_depth=k)
                 start = time.perf_counter()
                 done = engine.generate(batch, params, [spec] * c)
                 seconds = time.perf_counter() - start
@@ -106,7 +121,7 @@ def measure_sweep(
                 point.runs[mode].append(run)
                 log(f"[sweep c={c}] {mode} repeat {rep}/{repeats}: {run.tokens / seconds:.2f} tok/s")
         points.append(point)
-    return Sweep(n, depth, repeats, list(modes), points)
+    return Sweep(n, depth, repeats, list(modes), points, mode_depths)
 
 
 def sweep_summary(sweep: Sweep) -> dict[str, Any]:
@@ -133,7 +148,7 @@ def sweep_summary(sweep: Sweep) -> dict[str, Any]:
 def sweep_markdown(sweep: Sweep) -> str:
     """The sweep table and one line on where speculation stops paying."""
     s = sweep_summary(sweep)
-    label = {m: m if m == "plain" else f"{m} d{sweep.depth}" for m in sweep.modes}
+    label = {m: m if m == "plain" else f"{m} d{sweep.depth_of(m)}" for m in sweep.modes}
     speculative = [m for m in sweep.modes if m != "plain"]
     head = ["concurrent requests", *(["plain tok/s"] if "plain" in sweep.modes else [])]
     head += [c for m in speculative for c in (f"{label[m]} tok/s", f"{label[m]} / plain", f"{m} acceptance")]
