@@ -13,6 +13,9 @@ KV cache. The knee is chosen from ``KNEE_CANDIDATES`` by the best fit; the coeff
 squares on relative error (numpy), kept non-negative (a negative column is dropped and the rest
 refitted). Draft step per proposer (one token for every row): ``d0 + d1 * rows + d2 * rows * ctx``.
 A proposer never fitted nor observed costs 0 (n-gram lookup): fit every model-based proposer.
+Admitting a request to a proposer costs its prefill (``draft_prefill_time``: one draft forward per
+``PREFILL_CHUNK`` tokens of context), except for proposers marked ``no_prefill`` (they draft from
+state the target already holds, e.g. self-speculation in the target's own KV cache): 0.
 
 Online correction: each measurement moves a multiplicative factor geometrically towards
 measured / predicted, the ratio clipped to [1/2, 2] so one outlier (a GC pause, a neighbour's
@@ -24,7 +27,7 @@ log2 buckets of n; draft: log2 buckets of rows) for the residual.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -93,10 +96,12 @@ class FittedCostModel:
         target: Sequence[float] = DEFAULT_TARGET,
         knee: int = DEFAULT_KNEE,
         draft: Mapping[str, Sequence[float]] | None = None,
+        no_prefill: Iterable[str] = (),
     ) -> None:
         self.target = tuple(float(c) for c in target)  # c0, c1, c2, c3
         self.knee = int(knee)
         self.draft = {name: tuple(float(c) for c in coef) for name, coef in (draft or {}).items()}
+        self.no_prefill: set[str] = set(no_prefill)  # proposers whose admission costs nothing
         self.reset_corrections()
 
     def reset_corrections(self) -> None:
@@ -132,8 +137,15 @@ class FittedCostModel:
         self.draft[proposer] = (d0, d1, d2)
         self.draft_factor[proposer] = [1.0, [1.0] * BUCKETS]
 
+    def mark_no_prefill(self, proposer: str) -> None:
+        """``proposer`` needs no prefill to start drafting for a request (``draft_prefill_time`` 0)."""
+        self.no_prefill.add(proposer)
+
     def draft_prefill_time(self, proposer: str, tokens: int) -> float:
-        """Admitting a request: the proposer reads ``tokens`` of context, one forward per chunk."""
+        """Admitting a request: the proposer reads ``tokens`` of context, one forward per chunk
+        (0 for a proposer marked ``no_prefill``)."""
+        if proposer in self.no_prefill:
+            return 0.0
         return self.draft_time(proposer, 1, tokens) * math.ceil(max(0, tokens) / PREFILL_CHUNK)
 
     # ------------------------------------------------------------------------------------- fit
@@ -254,6 +266,7 @@ class FittedCostModel:
             "knee": self.knee,
             "target": list(self.target),
             "draft": {name: list(coef) for name, coef in self.draft.items()},
+            "no_prefill": sorted(self.no_prefill),
             "target_factor": [self.target_factor[0], list(self.target_factor[1])],
             "draft_factor": {name: [f[0], list(f[1])] for name, f in self.draft_factor.items()},
         }
@@ -262,7 +275,7 @@ class FittedCostModel:
     def from_dict(cls, data: Mapping) -> FittedCostModel:
         if data.get("version") != 1:
             raise ValueError(f"unsupported cost model version {data.get('version')!r}")
-        model = cls(data["target"], data["knee"], data.get("draft", {}))
+        model = cls(data["target"], data["knee"], data.get("draft", {}), data.get("no_prefill", ()))
         if "target_factor" in data:
             g, buckets = data["target_factor"]
             model.target_factor = [float(g), [float(b) for b in buckets]]

@@ -176,11 +176,15 @@ COSTED_POLICIES = ("goodput", "bandit")  # policies that read the cost model
 def load_or_profile_cost_model(engine: Any, stats: SharedStats, model: str, threads: int) -> None:
     """Take the cluster's cost model for this hardware and model pair, or profile one and share it."""
     from policies import FittedCostModel
+    from serve_app.engine.proposers import ModelDrafter
 
     hardware = f"{platform.machine()}-{_cpu_name()}-{threads}t-{engine.model.dtype}"
     cached = stats.get_cost_model(hardware, model)
-    if cached:
-        engine.planner.cost = FittedCostModel.from_dict(cached)
+    # A cached model that lacks one of this engine's model-based proposers (e.g. shared by a replica
+    # of the same pair without self-speculation) would price its draft steps at 0: profile instead.
+    drafters = {n for n, p in engine.proposers.items() if isinstance(p, ModelDrafter)}
+    if cached and drafters <= set(cached.get("draft", {})):
+        engine.use_cost_model(FittedCostModel.from_dict(cached))
         return
     started = time.perf_counter()
     cost = engine.profile_cost_model()

@@ -31,6 +31,7 @@ from serve_app.engine.proposers import (
     ProposerContext,
     ProposeRow,
     create_proposer,
+    needs_prefill,
 )
 from serve_app.engine.request import Completion, Request, RequestOutput, SpecOverride
 from serve_app.engine.sampling import SamplingParams, make_generator
@@ -101,6 +102,7 @@ class SpecEngine:
         self.planner = SpeculationPlanner(
             policy, list(self.proposers), config.max_depth, config.spec_method, model_pair, stats=stats
         )
+        self.use_cost_model(self.planner.cost)
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = frozenset(i for i in (*eos_ids, tokenizer_eos) if i is not None)
         self._ids = itertools.count()
@@ -129,15 +131,20 @@ class SpecEngine:
         proposers = {}
         for name, options in config.proposer_options.items():
             proposers[name] = create_proposer(name, ProposerContext(**{**vars(context), "options": options}))
-        eos = read_generation_eos(path)
-        return cls(model, tokenizer, config, eos, proposers, stats, model_pair, cache)
+        return cls(model, tokenizer, config, read_generation_eos(path), proposers, stats, model_pair, cache)
 
     def profile_cost_model(self, repeats: int = 2) -> FittedCostModel:
         """Time the target and every model-based proposer's draft step on free slots, fit the cost model."""
-        models = {n: p for n, p in self.proposers.items() if isinstance(p, ModelDrafter)}
-        drafts = {name: (p.model, p.cache) for name, p in models.items()}
-        self.planner.cost = profile_cost_model(self.model, self.cache, drafts, repeats)
-        return self.planner.cost
+        drafts = {n: (p.model, p.cache) for n, p in self.proposers.items() if isinstance(p, ModelDrafter)}
+        return self.use_cost_model(profile_cost_model(self.model, self.cache, drafts, repeats))
+
+    def use_cost_model(self, cost: FittedCostModel) -> FittedCostModel:
+        """Give the planner ``cost`` (profiled here, or shared by another replica), told which of
+        this engine's proposers need no prefill to draft for a new request (self-speculation)."""
+        for name in (n for n, p in self.proposers.items() if not needs_prefill(p)):
+            cost.mark_no_prefill(name)
+        self.planner.cost = cost
+        return cost
 
     # ----------------------------------------------------------------------------- requests
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:

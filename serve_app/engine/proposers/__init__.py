@@ -6,7 +6,7 @@ Importing this package registers the built-in proposers (each module registers i
 from serve_app.engine.proposers import draft_model as _draft_model  # noqa: F401  (registers "draft")
 from serve_app.engine.proposers import ngram as _ngram  # noqa: F401  (registers "ngram")
 from serve_app.engine.proposers import self_spec as _self_spec  # noqa: F401  (registers "self")
-from serve_app.engine.proposers.base import Draft, ModelDrafter, Proposer, ProposeRow
+from serve_app.engine.proposers.base import Draft, ModelDrafter, Proposer, ProposeRow, needs_prefill
 from serve_app.engine.proposers.registry import (
     ProposerContext,
     ProposerFactory,
@@ -23,6 +23,7 @@ __all__ = [
     "ProposerContext",
     "ProposerFactory",
     "create_proposer",
+    "needs_prefill",
     "register_proposer",
     "registered_proposers",
 ]

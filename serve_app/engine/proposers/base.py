@@ -70,3 +70,10 @@ class ModelDrafter(Protocol):
 
     model: Any  # forward(tokens, cache, slots) -> hidden; logits(hidden); cfg; device
     cache: Any  # the KVCache that ``model.forward`` writes
+
+
+def needs_prefill(proposer: object) -> bool:
+    """Whether admitting a request to ``proposer`` costs a prefill (the draft model reads the whole
+    sequence into its own cache). A proposer that drafts from state the target already holds says
+    ``prefills = False`` (self-speculation: the target's KV cache); the default is True."""
+    return bool(getattr(proposer, "prefills", True))

@@ -90,6 +90,7 @@ class SelfSpecProposer:
     """Drafts with the target's own kept layers, writing into the target's KV cache."""
 
     name = "self"
+    prefills = False  # admitting a request costs nothing: the target's cache holds the sequence
 
     def __init__(
         self, target: DecoderModel, cache: KVCache, skip: Sequence[int], min_confidence: float = 0.0
