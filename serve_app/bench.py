@@ -541,17 +541,24 @@ def our_methods(names: list[str], engine: Any, settings: Settings, n: int) -> li
 def auto_method(engine: Any, settings: Settings, n: int) -> Method:
     """Requests that leave speculation to the server ("auto"): the configured policy (goodput by
     default) with its cost model profiled on these models, as a replica starts. A second engine
-    over the same weights and proposers (its own KV cache), used one request at a time."""
+    over the same weights and proposers (its own KV cache, in which a self proposer drafts), used
+    one request at a time."""
     from dataclasses import replace
 
     from serve_app.engine.engine import SpecEngine
 
     spec = settings.speculation
-    method = "draft" if "draft" in engine.proposers else "ngram"
+    method = next(m for m in ("draft", "self", "ngram") if m in engine.proposers)  # as a replica's
     config = replace(
         engine.config, spec_method=method, policy=spec.policy, policy_params=dict(spec.policy_params)
     )
-    auto = SpecEngine(engine.model, engine.tokenizer, config, engine.eos_ids, engine.proposers)
+    proposers, cache = dict(engine.proposers), None
+    if "self" in proposers:  # self-speculation drafts in its engine's cache: give it the new one's
+        from serve_app.engine.proposers.self_spec import SelfSpecProposer
+
+        cache = engine.model.new_cache(config.max_slots, config.max_seq_len)
+        proposers["self"] = SelfSpecProposer(engine.model, cache, proposers["self"].skip)
+    auto = SpecEngine(engine.model, engine.tokenizer, config, engine.eos_ids, proposers, cache=cache)
     if spec.profile_cost_model:
         auto.profile_cost_model()
     note = f'our engine, speculation "auto": policy {spec.policy} over {", ".join(auto.proposers)}'
@@ -579,7 +586,9 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
     sweep_modes = list(getattr(args, "sweep_modes", None) or SWEEP_MODES)
     # The sweep and the cost curve report the draft too, so they load it whatever the methods are.
     sweep_draft = bool(concurrencies) and "draft" in sweep_modes
-    needs_draft = bool(depths) or sweep_draft or args.cost_curve or AUTO in names
+    needs_draft = (
+        bool(depths) or sweep_draft or args.cost_curve or (AUTO in names and bool(settings.model.draft))
+    )
     if bool(concurrencies) and "self" in sweep_modes:  # the self proposer drafts in the engine's cache
         settings = settings.model_copy(
             update={"speculation": settings.speculation.model_copy(update={"self_spec": True})}

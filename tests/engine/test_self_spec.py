@@ -196,8 +196,10 @@ def test_default_skip_sets_are_valid() -> None:
 
 def test_profiler_times_the_self_draft_step(target_hf, tiny_tokenizer) -> None:
     engine = self_engine(target_hf, tiny_tokenizer, (1, 2), 3, slots=4)
+    assert engine.planner.cost.draft_prefill_time("self", 500) == 0.0  # drafts in the target's cache
     cost = engine.profile_cost_model(repeats=1)
     assert "self" in cost.draft and cost.draft_time("self", 1, 64) > 0
+    assert cost.no_prefill == {"self"} and cost.draft_prefill_time("self", 500) == 0.0
     assert engine.cache.num_free == 4 and all(n == 0 for n in engine.cache.lengths)
 
 

@@ -49,3 +49,16 @@ def test_sweep_depth_of_self_follows_the_resolved_plan(self_engine, tmp_path) ->
     (tmp_path / CALIBRATION_FILE).write_text(json.dumps(stored))
     assert sweep_mode_depths(self_engine, ["self"], tmp_path) == {"self": 2}
     assert sweep_mode_depths(self_engine, ["self"], tmp_path, skip=[1]) == {}  # explicit set: none
+
+
+def test_auto_method_gives_self_its_own_cache(self_engine, tiny_tokenizer) -> None:
+    """specserve-auto runs on a second engine: its self proposer must draft in THAT engine's cache."""
+    from serve_app.config import Settings
+
+    ids = tiny_tokenizer("def add(a, b):")["input_ids"]
+    settings = Settings(speculation={"policy": "static", "profile_cost_model": False})
+    auto = bench.auto_method(self_engine, settings, 10)
+    plain = bench.specserve_method(self_engine, 10, "plain", "off").run(ids)
+    run = auto.run(ids)
+    assert run.token_ids == plain.token_ids and run.drafted  # static: "auto" = the method, self
+    assert self_engine.cache.num_free == 4

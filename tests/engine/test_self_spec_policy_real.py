@@ -1,0 +1,45 @@
+"""The goodput policy on a real replica configuration where self-speculation loses (issue 8).
+
+SmolLM2-135M in bf16 with no draft model, method ``self`` (plus the free n-gram proposer, as
+``engine_config`` loads them), goodput policy, cost model profiled as a replica profiles it. On this
+model a self draft step costs most of a plain step (BENCHMARKS.md, skip curve), so a request that
+leaves speculation to the server ("auto") must decode plainly nearly every step, and its output must
+still be plain decoding's (up to bf16 near-ties, checked as in ``test_speculative_real``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from serve_app.engine.engine import EngineConfig, SpecEngine
+from serve_app.engine.request import SpecOverride
+from serve_app.engine.sampling import SamplingParams
+from tests.engine.test_speculative_real import CODE_PROMPTS, assert_equal_or_near_tie
+
+PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
+def test_goodput_does_not_pick_self_where_it_loses(smollm2_path) -> None:
+    options = {"self": {"skip_layers": []}, "ngram": {"max_ngram": 4, "min_ngram": 2}}
+    config = EngineConfig(max_slots=4, max_seq_len=512, spec_method="self", spec_depth=4,
+                          proposer_options=options, policy="goodput")  # fmt: skip
+    engine = SpecEngine.from_path(smollm2_path, config, "bfloat16", "cpu")
+    cost = engine.profile_cost_model()
+    assert "self" in cost.no_prefill and cost.draft_time("self", 1, 128) > 0
+    prompts = [engine.encode_prompt(p) for p in CODE_PROMPTS]
+    steps: Counter[str] = Counter()
+    for prompt in prompts:
+        plain = engine.generate([prompt], PARAMS, [SpecOverride("off")])[0].token_ids
+        tokens: list[int] = []
+        for output in engine.stream(prompt, PARAMS, SpecOverride("auto")):
+            tokens += output.new_token_ids
+            if output.completion_tokens > len(output.new_token_ids):  # a decode step, not the prefill
+                steps[output.step_proposer or "plain"] += 1
+        assert_equal_or_near_tie(engine, prompt, plain, tokens)
+    total = sum(steps.values())
+    assert steps["self"] <= 0.1 * total, steps
+    assert steps["plain"] >= 0.5 * total, steps
