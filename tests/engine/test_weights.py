@@ -43,3 +43,13 @@ def test_prepacked_bf16_equals_plain_linear(weight_and_input) -> None:
     assert packed.is_mkldnn == onednn_bf16_supported()
     assert _relative_error(linear(x, packed), x.float() @ weight.float().T) < 0.01
     assert weight_nbytes(packed) == weight.numel() * 2
+
+
+def test_prepacked_float32_equals_plain_linear() -> None:
+    weight = torch.randn(1024, 1024)  # exactly MIN_PACKED_FLOAT32 elements: packed
+    x = torch.randn(2, 3, 1024)
+    packed = prepack(weight)
+    assert packed.is_mkldnn == torch.backends.mkldnn.is_available()
+    assert not prepack(weight[:512]).is_mkldnn  # small matrices stay on F.linear
+    torch.testing.assert_close(linear(x, packed), x @ weight.T, rtol=1e-4, atol=1e-4)
+    assert weight_nbytes(packed) == weight.numel() * 4
