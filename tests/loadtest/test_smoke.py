@@ -74,7 +74,11 @@ def test_smoke_matrix_report_is_consistent(tmp_path: Path, smollm2_path: Path) -
         cell = folder / "structured" / policy / "u2"
         assert (c["locust_requests"], c["locust_tokens"]) == (c["requests"], c["output_tokens"])
         with open(cell / "locust_stats.csv") as f:  # Locust's CSVs are there (written every second)
-            assert {r["Name"] for r in csv.DictReader(f)} >= {"code", "json", "Aggregated"}
+            assert "Aggregated" in {r["Name"] for r in csv.DictReader(f)}
+        # Per workload in Locust's final statistics: the CSV's last write can come before requests
+        # that finish in the stop-timeout drain (all of them on a slow machine); the JSON is final.
+        final = json.loads((cell / "locust_stats.json").read_text())
+        assert {e["name"] for e in final if e.get("method") == "POST"} >= {"code", "json"}
         assert sum(1 for line in (cell / "records.jsonl").read_text().splitlines() if line) == c["requests"]
         assert "[specserve] shutting down" in (cell / "server.log").read_text()  # stopped cleanly
     plain, static = cells["plain"], cells["static"]
