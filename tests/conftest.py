@@ -54,6 +54,16 @@ def make_tiny_hf_model(
     return model
 
 
+def make_noop_layer_model(vocab_size: int, layers: int, noop: int, seed: int = 2) -> torch.nn.Module:
+    """``make_tiny_hf_model`` whose layer ``noop`` has zero output projections: skipping it changes
+    nothing (what a self-speculation calibration should find first)."""
+    model = make_tiny_hf_model(vocab_size, seed=seed, layers=layers)
+    with torch.no_grad():
+        model.model.layers[noop].self_attn.o_proj.weight.zero_()
+        model.model.layers[noop].mlp.down_proj.weight.zero_()
+    return model
+
+
 def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy continuation of ``prompt`` (new tokens only, EOS not stopping)."""
     with torch.no_grad():

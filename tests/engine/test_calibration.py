@@ -4,7 +4,6 @@ the search finds a layer that does nothing, and the result round-trips through t
 from __future__ import annotations
 
 import pytest
-import torch
 
 from serve_app.engine.calibration import SelfSpecCalibrator, calibrate_self_spec, expected_tokens
 from serve_app.engine.engine import EngineConfig, SpecEngine
@@ -13,7 +12,7 @@ from serve_app.engine.proposers.self_spec import SelfSpecProposer
 from serve_app.engine.proposers.skip_plan import load_plan, resolve_plan, save_plan
 from serve_app.engine.request import SpecOverride
 from serve_app.engine.sampling import SamplingParams
-from tests.conftest import make_tiny_hf_model
+from tests.conftest import make_noop_layer_model
 from tests.engine.test_speculative import PROMPTS
 
 LAYERS = 4
@@ -22,11 +21,7 @@ NOOP = 2  # this layer's output projections are zero: skipping it changes nothin
 
 @pytest.fixture(scope="module")
 def model(tiny_tokenizer) -> DecoderModel:
-    hf = make_tiny_hf_model(len(tiny_tokenizer), seed=2, layers=LAYERS)
-    with torch.no_grad():
-        hf.model.layers[NOOP].self_attn.o_proj.weight.zero_()
-        hf.model.layers[NOOP].mlp.down_proj.weight.zero_()
-    return DecoderModel.from_hf_model(hf)
+    return DecoderModel.from_hf_model(make_noop_layer_model(len(tiny_tokenizer), LAYERS, NOOP))
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,12 @@ does nothing: it is ranked first, its set accepts everything, the figures follow
 from __future__ import annotations
 
 import pytest
-import torch
 
 from serve_app.cli import build_parser
 from serve_app.engine.calibration import SelfSpecCalibrator, expected_tokens
 from serve_app.engine.model import DecoderModel
 from serve_app.engine.skip_curve import measure_skip_curve, skip_curve_markdown
-from tests.conftest import make_tiny_hf_model
+from tests.conftest import make_noop_layer_model
 from tests.engine.test_speculative import PROMPTS
 
 LAYERS = 4
@@ -19,11 +18,7 @@ NOOP = 2
 
 @pytest.fixture(scope="module")
 def calibrator(tiny_tokenizer) -> SelfSpecCalibrator:
-    hf = make_tiny_hf_model(len(tiny_tokenizer), seed=2, layers=LAYERS)
-    with torch.no_grad():
-        hf.model.layers[NOOP].self_attn.o_proj.weight.zero_()
-        hf.model.layers[NOOP].mlp.down_proj.weight.zero_()
-    model = DecoderModel.from_hf_model(hf)
+    model = DecoderModel.from_hf_model(make_noop_layer_model(len(tiny_tokenizer), LAYERS, NOOP))
     prompts = [tiny_tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
     return SelfSpecCalibrator(model, prompts, new_tokens=8, max_depth=2, batch=4)
 
