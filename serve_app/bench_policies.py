@@ -236,7 +236,7 @@ def policy_engine(base: Any, policy: str, cost: FittedCostModel) -> Any:
     proposer, depth = BEST_STATIC
     config = replace(base.config, spec_method=proposer, spec_depth=depth, policy=policy, policy_params={})
     engine = SpecEngine(base.model, base.tokenizer, config, base.eos_ids, base.proposers, cache=base.cache)
-    engine.planner.cost = FittedCostModel.from_dict(cost.to_dict())
+    engine.use_cost_model(FittedCostModel.from_dict(cost.to_dict()))
     return engine
 
 
