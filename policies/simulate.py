@@ -97,6 +97,7 @@ def simulate(
     max_depth: int = 8,
     seed: int = 0,
     estimator: AcceptanceEstimator | None = None,
+    priors: Mapping[tuple[str, ...], Sequence[float]] | None = None,
     true_cost: CostModel | None = None,
     include_prefill: bool = True,
 ) -> SimResult:
@@ -106,7 +107,7 @@ def simulate(
     if proposers is None:
         proposers = list(dict.fromkeys(p for t in traces for p in t.proposers()))
     proposers = tuple(proposers)
-    estimator = estimator or AcceptanceEstimator(max_depth=max(16, max_depth))
+    estimator = estimator or AcceptanceEstimator(priors, max_depth=max(16, max_depth))
     clock = true_cost or cost
     queue = [_Running(i, t, seed) for i, t in reversed(list(enumerate(traces)))]
     running: list[_Running] = []
@@ -196,8 +197,14 @@ def oracle_best_static(
     results: dict[tuple[str | None, int], SimResult] = {}
     for arm in static_arms(proposers, max_depth):
         results[arm] = simulate(
-            static_policy(arm, max_depth), traces, cost, concurrency, proposers=proposers,
-            max_depth=max_depth, seed=seed, **options,
+            static_policy(arm, max_depth),
+            traces,
+            cost,
+            concurrency,
+            proposers=proposers,
+            max_depth=max_depth,
+            seed=seed,
+            **options,
         )  # type: ignore[arg-type]
     best = max(results, key=lambda arm: results[arm].tokens_per_second)
     return best, results[best], results
@@ -222,14 +229,21 @@ class Phase:
 
 
 def simulate_mix(
-    policy: Policy, phases: Sequence[Phase], cost: CostModel, *, max_depth: int = 8, seed: int = 0,
-    proposers: Sequence[str] | None = None, **options: object,
+    policy: Policy,
+    phases: Sequence[Phase],
+    cost: CostModel,
+    *,
+    max_depth: int = 8,
+    seed: int = 0,
+    proposers: Sequence[str] | None = None,
+    priors: Mapping[tuple[str, ...], Sequence[float]] | None = None,
+    **options: object,
 ) -> SimResult:
     """Phases one after the other under ONE policy instance and ONE estimator (what it learned in a
     phase carries into the next, as on a replica whose load changes): totals over all phases."""
     if proposers is None:
         proposers = list(dict.fromkeys(p for ph in phases for t in ph.traces for p in t.proposers()))
-    estimator = AcceptanceEstimator(max_depth=max(16, max_depth))
+    estimator = AcceptanceEstimator(priors, max_depth=max(16, max_depth))
     parts = [
         simulate(policy, ph.traces, cost, ph.concurrency, proposers=proposers, max_depth=max_depth,
                  seed=seed + i, estimator=estimator, **options)  # type: ignore[arg-type]

@@ -103,3 +103,33 @@ class TraceSet:
 
     def select(self, workloads: Sequence[str]) -> list[RecordedTrace]:
         return [t for t in self.traces if t.workload in workloads]
+
+
+def acceptance_priors(
+    traces: Iterable[RecordedTrace], max_depth: int
+) -> dict[tuple[str, str], tuple[float, ...]]:
+    """Conditional acceptance per draft position, pooled per (proposer, workload) over ``traces``.
+
+    What the shared statistics would hold after serving these requests: a draft starting at
+    output position g reaches position j when ``matches[g] >= j`` and has it accepted when
+    ``matches[g] > j``, so a_j = #(m > j) / #(m >= j) over every g of every trace of the class.
+    Index example: matches (3, 2, 1, 0) give a_0 = 3/4, a_1 = 2/3, a_2 = 1/2. A position no draft
+    reached repeats the one before it (``AcceptanceEstimator.set_prior`` pads the same way).
+    """
+    reached: dict[tuple[str, str], list[int]] = {}
+    accepted: dict[tuple[str, str], list[int]] = {}
+    for trace in traces:
+        for proposer, matches in trace.matches.items():
+            key = (proposer, trace.workload)
+            hits = reached.setdefault(key, [0] * max_depth), accepted.setdefault(key, [0] * max_depth)
+            for m in matches:
+                for j in range(min(m + 1, max_depth)):
+                    hits[0][j] += 1
+                    hits[1][j] += j < m
+    priors = {}
+    for key, counts in reached.items():
+        rates: list[float] = []
+        for n, a in zip(counts, accepted[key], strict=True):
+            rates.append(a / n if n else (rates[-1] if rates else 0.0))
+        priors[key] = tuple(rates)
+    return priors

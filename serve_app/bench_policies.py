@@ -17,6 +17,14 @@ Three parts, one command:
 3. **Real runs** (``--real-loads``): the same prompts through the engine, closed loop (a finished
    request is replaced at once, as a load-test user would), for plain, the best static depth and
    goodput, at a few load levels and over the mix. Emitted tokens / wall time, prefills included.
+
+Priors. A replica reads each (proposer, workload)'s acceptance from the shared statistics when it
+admits a request, so in steady state a request starts from the cluster's experience, not from the
+estimator's default. Both the simulation and the real runs start every policy from the same priors:
+the traces' pooled acceptance per (proposer, workload) (``policies.traces.acceptance_priors``), what
+the shared statistics hold after serving these prompts. ``--no-priors`` starts from the default
+instead (a cold cluster). The priors come from the very prompts being run: they are the best case of
+the cluster's experience, not a forecast.
 """
 
 from __future__ import annotations
@@ -40,12 +48,13 @@ from policies.simulate import (
     simulate_mix,
     static_policy,
 )
-from policies.traces import RecordedTrace, StepRecord, TraceSet, matches_from_steps
+from policies.traces import RecordedTrace, StepRecord, TraceSet, acceptance_priors, matches_from_steps
 from serve_app.bench import Prompt
 
 DEFAULT_TRACES = Path(policies.__file__).parent / "traces" / "qwen2.5-coder-1.5b-0.5b-cpu.json"
 LOADS = (1, 2, 4, 8, 16, 32)
 RECORD_DEPTH = 8
+Priors = dict[tuple[str, str], tuple[float, ...]]  # (proposer, workload) -> conditional acceptance
 BEST_STATIC = ("draft", 4)  # the benchmarks' best fixed depth on code+json (BENCHMARKS.md)
 # The mixed workload: interactive code and prose one request at a time, then a burst of every trace
 # twice with up to 32 in flight, then interactive again.
@@ -167,7 +176,8 @@ class SimTable:
 
 
 def run_simulation(traces: Sequence[RecordedTrace], cost: FittedCostModel, loads: Sequence[int],
-                   max_depth: int = RECORD_DEPTH, seed: int = 0) -> SimTable:  # fmt: skip
+                   max_depth: int = RECORD_DEPTH, seed: int = 0, priors: Priors | None = None,
+                   ) -> SimTable:  # fmt: skip
     base = replay(traces)
     names = compared_policies()
     rate: dict[str, dict[int, float]] = {p: {} for p in names}
@@ -176,13 +186,14 @@ def run_simulation(traces: Sequence[RecordedTrace], cost: FittedCostModel, loads
     for load in loads:
         sim = base * max(1, -(-2 * load // len(base)))  # at least two requests per slot
         for name in names:
-            result = simulate(make_policy(name, max_depth), sim, cost, load, max_depth=max_depth, seed=seed)
+            result = simulate(make_policy(name, max_depth), sim, cost, load, max_depth=max_depth, seed=seed,
+                              priors=priors)  # fmt: skip
             rate[name][load], depth[name][load] = result.tokens_per_second, result.mean_draft_depth
         arm, best, _ = oracle_best_static(sim, cost, load, max_depth=max_depth, seed=seed)
         oracle[load] = (arm, best.tokens_per_second)
     phases = mix_phases(base, [kind_of(t) for t in traces])
-    mix = {n: simulate_mix(make_policy(n, max_depth), phases, cost, max_depth=max_depth, seed=seed)
-           for n in names}  # fmt: skip
+    mix = {n: simulate_mix(make_policy(n, max_depth), phases, cost, max_depth=max_depth, seed=seed,
+                           priors=priors) for n in names}  # fmt: skip
     arms = [(None, 0)] + [(p, d) for p in base[0].proposers() for d in range(1, max_depth + 1)]
     mixed: dict[tuple[str | None, int], SimResult] = {
         arm: simulate_mix(static_policy(arm, max_depth), phases, cost, max_depth=max_depth, seed=seed)
@@ -228,20 +239,25 @@ def closed_loop(engine: Any, requests: Sequence[list[int]], load: int, n: int, m
     return RealRun("", load, tokens, time.perf_counter() - start, drafted, accepted)
 
 
-def policy_engine(base: Any, policy: str, cost: FittedCostModel) -> Any:
+def policy_engine(base: Any, policy: str, cost: FittedCostModel, priors: Priors | None = None) -> Any:
     """An engine over ``base``'s model, proposers and KV cache (run one at a time) under ``policy``,
-    with the measured cost model (as a replica takes the cluster's cached one)."""
+    with the measured cost model (as a replica takes the cluster's cached one) and ``priors`` per
+    (proposer, workload) (as a replica reads them from the shared statistics)."""
     from serve_app.engine.engine import SpecEngine
 
     proposer, depth = BEST_STATIC
     config = replace(base.config, spec_method=proposer, spec_depth=depth, policy=policy, policy_params={})
     engine = SpecEngine(base.model, base.tokenizer, config, base.eos_ids, base.proposers, cache=base.cache)
     engine.use_cost_model(FittedCostModel.from_dict(cost.to_dict()))
+    for (proposer, workload), rates in (priors or {}).items():
+        if proposer in engine.proposers:
+            engine.planner.estimator.set_prior(proposer, workload, rates)
     return engine
 
 
 def run_real(base: Any, prompts: Sequence[Prompt], cost: FittedCostModel, loads: Sequence[int], n: int,
              policies_: Sequence[str], repeats: int, log: Callable[[str], None] = print,
+             priors: Priors | None = None,
              ) -> tuple[dict[str, dict[int, RealRun]], dict[str, RealRun]]:  # fmt: skip
     """Closed-loop runs per (policy, load), median of ``repeats`` by rate; then the mix."""
     encoded = [base.encode_prompt(p.text, chat=p.chat) for p in prompts]
@@ -253,7 +269,7 @@ def run_real(base: Any, prompts: Sequence[Prompt], cost: FittedCostModel, loads:
         for policy in policies_:
             runs = []
             for _ in range(repeats):
-                run = closed_loop(policy_engine(base, policy, cost), requests, load, n)
+                run = closed_loop(policy_engine(base, policy, cost, priors), requests, load, n)
                 run.policy = policy
                 runs.append(run)
                 log(f"[real] load {load} {policy}: {run.rate:.2f} tok/s, "
@@ -263,7 +279,7 @@ def run_real(base: Any, prompts: Sequence[Prompt], cost: FittedCostModel, loads:
     phases = [(quiet, MIX_LOW), (encoded * MIX_REPEAT, MIX_BURST), (quiet, MIX_LOW)]
     mix = {}
     for policy in policies_:
-        engine = policy_engine(base, policy, cost)  # one engine: what it learns carries across phases
+        engine = policy_engine(base, policy, cost, priors)  # one engine: what it learns carries across phases
         parts = [closed_loop(engine, reqs, load, n) for reqs, load in phases]
         mix[policy] = RealRun(policy, MIX_BURST, sum(p.tokens for p in parts), sum(p.seconds for p in parts),
                               sum(p.drafted for p in parts), sum(p.accepted for p in parts))  # fmt: skip
@@ -366,7 +382,11 @@ def run_policy_bench(args: Any, settings: Any, build_engine: Callable[..., Any])
     traces = TraceSet.load(trace_path)
     cost = FittedCostModel.from_dict(traces.cost_model)
     cost.reset_corrections()  # the profile's fit; online corrections are the recording run's
-    table = run_simulation(traces.traces, cost, loads)
+    priors = None if args.no_priors else acceptance_priors(traces.traces, RECORD_DEPTH)
+    table = run_simulation(traces.traces, cost, loads, priors=priors)
+    sections.append("Priors: " + ("the estimator's default (a cold cluster, `--no-priors`)." if priors is None
+                    else "the traces' pooled acceptance per (proposer, workload), as the shared statistics "
+                    "would hold them (see serve_app/bench_policies.py).") + "\n")  # fmt: skip
     sections.append(simulation_markdown(table, traces))
     if args.real_loads:
         names = ["plain", "static", "goodput"]
@@ -374,7 +394,7 @@ def run_policy_bench(args: Any, settings: Any, build_engine: Callable[..., Any])
         kinds = [p.kind for p in prompts]
         prompts = [p for i, p in enumerate(prompts) if i < kinds.index(p.kind) + REAL_PER_KIND]
         real, mix = run_real(engine, prompts, cost, sorted(set(args.real_loads)), args.max_tokens, names,
-                             args.repeats, log=lambda s: print(s, file=sys.stderr))  # fmt: skip
+                             args.repeats, lambda s: print(s, file=sys.stderr), priors)  # fmt: skip
         sections.append(real_markdown(real, mix, args.max_tokens, args.repeats))
     markdown = "\n".join(sections)
     stem = out / f"policies-{time.strftime('%Y%m%d-%H%M%S')}.md"

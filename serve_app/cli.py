@@ -404,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--record-traces", metavar="PATH", help="--policies: record traces (and cost) first")
     bench.add_argument("--loads", nargs="+", type=int, help="--policies: simulated load levels (1..32)")
     bench.add_argument("--real-loads", nargs="+", type=int, help="--policies: load levels to run for real")
+    bench.add_argument(
+        "--no-priors",
+        action="store_true",
+        help="--policies: start every policy from the estimator's default acceptance, not "
+        "from the traces' pooled acceptance (a cold cluster's shared statistics)",
+    )
     bench.add_argument("--out", default="bench-results", help="folder for the JSON and Markdown results")
     bench.set_defaults(func=cmd_bench)
 

@@ -9,7 +9,7 @@ import pytest
 import policies
 from policies import PolicyConfig, create_policy
 from policies.simulate import Phase, Trace, replay, simulate, simulate_mix
-from policies.traces import RecordedTrace, StepRecord, TraceSet, matches_from_steps
+from policies.traces import RecordedTrace, StepRecord, TraceSet, acceptance_priors, matches_from_steps
 from tests.policies.helpers import qwen_cpu_cost
 
 SHIPPED = Path(policies.__file__).parent / "traces" / "qwen2.5-coder-1.5b-0.5b-cpu.json"
@@ -19,6 +19,31 @@ def test_matches_fill_the_positions_a_step_skipped():
     # step at 0 kept 3 (emitted 4: positions 0..3), step at 4 kept 0, step at 5 kept 8 of 8
     steps = [StepRecord(0, 8, 3), StepRecord(4, 8, 0), StepRecord(5, 8, 8)]
     assert matches_from_steps(steps, 12) == (3, 2, 1, 0, 0, 8, 7, 6, 5, 4, 3, 2)
+
+
+def test_acceptance_priors_pool_the_conditional_rates_per_proposer_and_workload():
+    traces = [
+        RecordedTrace("code/a", "code", 5, 4, {"draft": (3, 2, 1, 0), "ngram": (0, 0, 0, 0)}),
+        RecordedTrace("code/b", "code", 5, 2, {"draft": (1, 0)}),
+        RecordedTrace("prose/c", "prose", 5, 2, {"draft": (0, 0)}),
+    ]
+    priors = acceptance_priors(traces, 5)
+    # code/draft: starts with m = 3, 2, 1, 0, 1, 0 -> a_0 = 4/6; reached 1: m >= 1 (4), accepted m > 1
+    # (2) -> a_1 = 2/4; a_2 = 1/2; a_3 = 0/1 (the run of 3 stops there); 4 never reached: repeats a_3
+    assert priors[("draft", "code")] == pytest.approx((4 / 6, 2 / 4, 1 / 2, 0.0, 0.0))
+    assert priors[("ngram", "code")] == (0.0,) * 5
+    assert priors[("draft", "prose")] == (0.0,) * 5
+    assert set(priors) == {("draft", "code"), ("ngram", "code"), ("draft", "prose")}
+
+
+def test_priors_reach_the_simulated_policy():
+    # A cold estimator (default 0.7, decaying) drafts shallower than one told the class accepts all.
+    trace = [Trace("code", 100, 96, {"draft": (1.0,)})] * 2
+    cold = simulate(create_policy("goodput", PolicyConfig(max_depth=8)), trace, qwen_cpu_cost(), 1)
+    warm = simulate(create_policy("goodput", PolicyConfig(max_depth=8)), trace, qwen_cpu_cost(), 1,
+                    priors={("draft", "code"): (1.0,) * 8})  # fmt: skip
+    assert warm.mean_draft_depth > cold.mean_draft_depth
+    assert warm.tokens_per_second > cold.tokens_per_second
 
 
 def test_trace_set_round_trips(tmp_path):
