@@ -29,6 +29,13 @@ prior (shared statistics) counts as ample evidence at every position, so a new r
 it as given; a request's own estimate weighs only the request's own observations (n_j), so once it
 has drafted, positions it never reached follow what it showed at shallower ones.
 
+A request's estimate for a proposer it is not drafting with relaxes back towards the pool's, by
+``relax`` of the gap per step (``observe``). Without it a request whose estimate fell below
+break-even after a few unlucky rejections (three in a row happen 5% of the time at a = 0.63) stays
+plain to its end, since plain steps measure nothing: the exploration trap again, per request. With
+``relax`` = 0.05 a request that was switched off tries again after ~5-15 plain steps (sooner the
+closer it was), and each try is one cheap shallow draft whose outcome corrects the estimate.
+
 ``drain_counts`` hands the raw counts since the last drain to the shared-stats writer.
 """
 
@@ -79,14 +86,16 @@ class AcceptanceEstimator:
         alpha: float = 0.1,
         prior_weight: float = 4.0,
         pool_alpha: float = 0.05,
+        relax: float = 0.05,
     ) -> None:
         """``priors``: (proposer, workload) or (model_pair, proposer, workload) -> rates per position.
 
         3-tuples of another ``model_pair`` are ignored; workload ``"*"`` applies to every workload.
         A prior shorter than ``max_depth`` repeats its last value.
         """
-        if not 0 < alpha <= 1 or not 0 < pool_alpha <= 1:
-            raise ValueError("alpha and pool_alpha must be in (0, 1]")
+        if not 0 < alpha <= 1 or not 0 < pool_alpha <= 1 or not 0 <= relax <= 1:
+            raise ValueError("alpha and pool_alpha must be in (0, 1], relax in [0, 1]")
+        self.relax = relax
         self.max_depth = max_depth
         self.alpha = alpha
         self.prior_weight = prior_weight
@@ -187,10 +196,21 @@ class AcceptanceEstimator:
         return {p: self.estimate(request_id, p, max_depth, workload=workload) for p in proposers}
 
     def observe(self, outcome: Outcome) -> None:
-        """Every request of an engine step that verified a draft."""
+        """Every request of an engine step: its draft's verdict, and relaxation of the estimates of
+        the proposers it did not draft with this step (module doc)."""
         for r in outcome.requests:
-            if r.proposer is not None and r.drafted > 0:
-                self.update(r.request_id, r.proposer, r.drafted, r.accepted, workload=r.workload)
+            used = r.proposer if r.proposer is not None and r.drafted > 0 else None
+            if used is not None:
+                self.update(r.request_id, used, r.drafted, r.accepted, workload=r.workload)
+            if self.relax > 0:
+                for proposer, rates in self._rates.get(r.request_id, {}).items():
+                    if proposer != used:
+                        self._relax(r.request_id, proposer, rates)
+
+    def _relax(self, request_id: str, proposer: str, rates: list[float]) -> None:
+        pool = self.prior(proposer, self._workload.get(request_id, ANY))
+        for j, target in enumerate(pool[: len(rates)]):
+            rates[j] += self.relax * (target - rates[j])
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's state (its counts stay in the pool and the drain)."""

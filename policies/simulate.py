@@ -160,7 +160,6 @@ def simulate(
                 if name not in request.admitted:
                     request.admitted.add(name)
                     seconds += prefill_seconds(clock, name, view.context_len)
-                estimator.update(request.id, name, depth, kept)
             emitted = min(1 + kept, view.tokens_left)
             request.generated += emitted
             tokens += emitted
@@ -172,9 +171,11 @@ def simulate(
         seconds += step_seconds
         steps += 1
         request_steps += len(running)
-        policy.observe(
-            Outcome(tuple(outcomes), target_seconds, draft_seconds, dict(deepest), width, ctx, step_seconds)
+        outcome = Outcome(
+            tuple(outcomes), target_seconds, draft_seconds, dict(deepest), width, ctx, step_seconds
         )
+        estimator.observe(outcome)  # as the engine's planner does: verdicts, then relaxation
+        policy.observe(outcome)
         for request in [r for r in running if r.generated >= r.trace.output_len]:
             running.remove(request)
             estimator.forget(request.id)

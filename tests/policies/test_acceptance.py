@@ -113,7 +113,33 @@ def test_observe_outcome_and_drain_counts():
     assert est.drain_counts() == {}
 
 
+def test_an_estimate_not_drafted_with_relaxes_back_to_the_pool():
+    # Three rejections in a row push a request below its class's 0.63; plain steps bring it back.
+    est = AcceptanceEstimator({("draft", "prose"): (0.63,)}, max_depth=2, relax=0.05)
+    est.start("r", "prose")
+    for _ in range(3):
+        est.observe(Outcome((RequestOutcome("r", "prose", "draft", 1, 1, 0, 1),), 0.1, {}, {}, 2, 10, 0.1))
+    low = est.estimate("r", "draft", 1)[0]
+    assert low < 0.4
+    plain = Outcome((RequestOutcome("r", "prose", None, 0, 0, 0, 1),), 0.1, {}, {}, 1, 10, 0.1)
+    est.observe(plain)
+    gap = est.prior("draft", "prose")[0] - low
+    assert est.estimate("r", "draft", 1)[0] == pytest.approx(low + 0.05 * gap)
+    for _ in range(60):
+        est.observe(plain)
+    # the pool learned from the rejections too (0.63 -> 0.54); the request is back near it
+    assert est.estimate("r", "draft", 1)[0] == pytest.approx(est.prior("draft", "prose")[0], abs=0.02)
+    frozen = AcceptanceEstimator({("draft", "prose"): (0.63,)}, max_depth=2, relax=0.0)
+    frozen.start("r", "prose")
+    frozen.update("r", "draft", 1, 0)
+    before = frozen.estimate("r", "draft", 1)
+    frozen.observe(plain)
+    assert frozen.estimate("r", "draft", 1) == before
+
+
 def test_bad_parameters():
+    with pytest.raises(ValueError):
+        AcceptanceEstimator(relax=1.5)
     with pytest.raises(ValueError):
         AcceptanceEstimator(alpha=0.0)
     with pytest.raises(ValueError):
