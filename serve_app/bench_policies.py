@@ -239,13 +239,22 @@ def closed_loop(engine: Any, requests: Sequence[list[int]], load: int, n: int, m
     return RealRun("", load, tokens, time.perf_counter() - start, drafted, accepted)
 
 
+def real_policy(label: str) -> tuple[str, tuple[str | None, int]]:
+    """A real run's label as (policy, static arm): a policy name (``static`` at ``BEST_STATIC``), or
+    an arm as ``_arm`` writes it (``"draft d1"``: the static policy at that proposer and depth)."""
+    proposer, _, depth = label.partition(" d")
+    if depth.isdigit():
+        return "static", (proposer, int(depth))
+    return label, BEST_STATIC
+
+
 def policy_engine(base: Any, policy: str, cost: FittedCostModel, priors: Priors | None = None) -> Any:
-    """An engine over ``base``'s model, proposers and KV cache (run one at a time) under ``policy``,
-    with the measured cost model (as a replica takes the cluster's cached one) and ``priors`` per
-    (proposer, workload) (as a replica reads them from the shared statistics)."""
+    """An engine over ``base``'s model, proposers and KV cache (run one at a time) under ``policy``
+    (a ``real_policy`` label), with the measured cost model (as a replica takes the cluster's cached
+    one) and ``priors`` per (proposer, workload) (as a replica reads them from the shared statistics)."""
     from serve_app.engine.engine import SpecEngine
 
-    proposer, depth = BEST_STATIC
+    policy, (proposer, depth) = real_policy(policy)
     config = replace(base.config, spec_method=proposer, spec_depth=depth, policy=policy, policy_params={})
     engine = SpecEngine(base.model, base.tokenizer, config, base.eos_ids, base.proposers, cache=base.cache)
     engine.use_cost_model(FittedCostModel.from_dict(cost.to_dict()))
@@ -339,7 +348,7 @@ def real_markdown(
         f"Greedy, {n} tokens per request, EOS ignored; tok/s = emitted tokens / wall time (prefills "
         f"included), median of {repeats}. static = {_arm(BEST_STATIC)}.", "",
     ]  # fmt: skip
-    ratios = ["goodput / best other (plain or static)", "goodput / plain"]
+    ratios = ["goodput / best other", "goodput / plain"]
     head = ["load", *names, *(ratios if "goodput" in names else [])]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for load in loads:
@@ -390,6 +399,9 @@ def run_policy_bench(args: Any, settings: Any, build_engine: Callable[..., Any])
     sections.append(simulation_markdown(table, traces))
     if args.real_loads:
         names = ["plain", "static", "goodput"]
+        mix_best = table.mix_oracle[0]  # the simulation's best single static over the mix, run too
+        if mix_best[0] is not None and mix_best != BEST_STATIC:
+            names.insert(2, _arm(mix_best))
         prompts = [p for p in TRACE_PROMPTS if not args.kinds or p.kind in args.kinds]
         kinds = [p.kind for p in prompts]
         prompts = [p for i, p in enumerate(prompts) if i < kinds.index(p.kind) + REAL_PER_KIND]

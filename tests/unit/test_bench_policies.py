@@ -11,6 +11,7 @@ from serve_app.bench import Prompt
 from serve_app.bench_policies import (
     closed_loop,
     policy_engine,
+    real_policy,
     record_traces,
     run_simulation,
     simulation_markdown,
@@ -94,3 +95,11 @@ def test_closed_loop_keeps_the_load_and_counts_every_token(engine) -> None:
         assert run.tokens == 4 * 10 and run.seconds > 0
         assert (run.drafted == 0) == (policy == "plain") or policy == "goodput"  # goodput may stay plain
     assert engine.cache.num_free == engine.cache.num_slots  # every slot given back
+
+
+def test_real_run_labels_name_a_policy_or_a_static_arm(engine) -> None:
+    assert real_policy("goodput") == ("goodput", ("draft", 4))
+    assert real_policy("static") == ("static", ("draft", 4))
+    assert real_policy("draft d1") == ("static", ("draft", 1))
+    arm = policy_engine(engine, "ngram d2", FittedCostModel())
+    assert (arm.config.policy, arm.config.spec_method, arm.config.spec_depth) == ("static", "ngram", 2)
