@@ -115,7 +115,9 @@ def test_observe_outcome_and_drain_counts():
 
 def test_an_estimate_not_drafted_with_relaxes_back_to_the_pool():
     # Three rejections in a row push a request below its class's 0.63; plain steps bring it back.
-    est = AcceptanceEstimator({("draft", "prose"): (0.63,)}, max_depth=2, relax=0.05)
+    est = AcceptanceEstimator(
+        {("draft", "prose"): (0.63,)}, max_depth=2, relax=0.05, prior_weight=4.0, pool_alpha=0.05
+    )
     est.start("r", "prose")
     for _ in range(3):
         est.observe(Outcome((RequestOutcome("r", "prose", "draft", 1, 1, 0, 1),), 0.1, {}, {}, 2, 10, 0.1))
@@ -168,3 +170,19 @@ def test_positions_never_drafted_follow_the_deepest_observed_one():
     # ... while a request's own estimate leans on what the request itself showed
     est.update("j", "draft", drafted=1, accepted=1)
     assert est.estimate("j", "draft", 4)[1] > 0.5
+
+
+def test_one_unlucky_request_moves_its_class_little_by_default():
+    # Ten rejections in a row from one request: its own estimate drops, while its class's pool (what
+    # the next request of the class starts from) stays above the 0.5 that draft depth 1 needs here.
+    est = AcceptanceEstimator({("draft", "prose"): (0.63,)}, max_depth=2)
+    est.start("r", "prose")
+    for _ in range(10):
+        est.update("r", "draft", 1, 0)
+    assert est.estimate("r", "draft", 1)[0] < 0.35
+    assert est.prior("draft", "prose")[0] > 0.5
+    fast = AcceptanceEstimator({("draft", "prose"): (0.63,)}, max_depth=2, pool_alpha=0.05)
+    fast.start("r", "prose")
+    for _ in range(10):
+        fast.update("r", "draft", 1, 0)
+    assert fast.prior("draft", "prose")[0] < 0.4
