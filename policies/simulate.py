@@ -98,16 +98,21 @@ def simulate(
     seed: int = 0,
     estimator: AcceptanceEstimator | None = None,
     priors: Mapping[tuple[str, ...], Sequence[float]] | None = None,
+    estimator_options: Mapping[str, float] | None = None,
     true_cost: CostModel | None = None,
     include_prefill: bool = True,
 ) -> SimResult:
-    """Run every trace through ``policy`` with at most ``concurrency`` requests at a time."""
+    """Run every trace through ``policy`` with at most ``concurrency`` requests at a time.
+
+    Without an ``estimator``, a fresh ``AcceptanceEstimator(priors, **estimator_options)``."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     if proposers is None:
         proposers = list(dict.fromkeys(p for t in traces for p in t.proposers()))
     proposers = tuple(proposers)
-    estimator = estimator or AcceptanceEstimator(priors, max_depth=max(16, max_depth))
+    estimator = estimator or AcceptanceEstimator(
+        priors, max_depth=max(16, max_depth), **dict(estimator_options or {})
+    )
     clock = true_cost or cost
     queue = [_Running(i, t, seed) for i, t in reversed(list(enumerate(traces)))]
     running: list[_Running] = []
@@ -238,13 +243,14 @@ def simulate_mix(
     seed: int = 0,
     proposers: Sequence[str] | None = None,
     priors: Mapping[tuple[str, ...], Sequence[float]] | None = None,
+    estimator_options: Mapping[str, float] | None = None,
     **options: object,
 ) -> SimResult:
     """Phases one after the other under ONE policy instance and ONE estimator (what it learned in a
     phase carries into the next, as on a replica whose load changes): totals over all phases."""
     if proposers is None:
         proposers = list(dict.fromkeys(p for ph in phases for t in ph.traces for p in t.proposers()))
-    estimator = AcceptanceEstimator(priors, max_depth=max(16, max_depth))
+    estimator = AcceptanceEstimator(priors, max_depth=max(16, max_depth), **dict(estimator_options or {}))
     parts = [
         simulate(policy, ph.traces, cost, ph.concurrency, proposers=proposers, max_depth=max_depth,
                  seed=seed + i, estimator=estimator, **options)  # type: ignore[arg-type]

@@ -177,7 +177,7 @@ class SimTable:
 
 def run_simulation(traces: Sequence[RecordedTrace], cost: FittedCostModel, loads: Sequence[int],
                    max_depth: int = RECORD_DEPTH, seed: int = 0, priors: Priors | None = None,
-                   ) -> SimTable:  # fmt: skip
+                   estimator: dict[str, float] | None = None) -> SimTable:  # fmt: skip
     base = replay(traces)
     names = compared_policies()
     rate: dict[str, dict[int, float]] = {p: {} for p in names}
@@ -187,13 +187,13 @@ def run_simulation(traces: Sequence[RecordedTrace], cost: FittedCostModel, loads
         sim = base * max(1, -(-2 * load // len(base)))  # at least two requests per slot
         for name in names:
             result = simulate(make_policy(name, max_depth), sim, cost, load, max_depth=max_depth, seed=seed,
-                              priors=priors)  # fmt: skip
+                              priors=priors, estimator_options=estimator)  # fmt: skip
             rate[name][load], depth[name][load] = result.tokens_per_second, result.mean_draft_depth
         arm, best, _ = oracle_best_static(sim, cost, load, max_depth=max_depth, seed=seed)
         oracle[load] = (arm, best.tokens_per_second)
     phases = mix_phases(base, [kind_of(t) for t in traces])
     mix = {n: simulate_mix(make_policy(n, max_depth), phases, cost, max_depth=max_depth, seed=seed,
-                           priors=priors) for n in names}  # fmt: skip
+                           priors=priors, estimator_options=estimator) for n in names}  # fmt: skip
     arms = [(None, 0)] + [(p, d) for p in base[0].proposers() for d in range(1, max_depth + 1)]
     mixed: dict[tuple[str | None, int], SimResult] = {
         arm: simulate_mix(static_policy(arm, max_depth), phases, cost, max_depth=max_depth, seed=seed)
@@ -366,6 +366,24 @@ def real_markdown(
 
 
 # ------------------------------------------------------------------------------------ command
+ESTIMATOR_OPTIONS = ("alpha", "prior_weight", "pool_alpha", "relax", "default", "decay")
+
+
+def estimator_options(items: Sequence[str]) -> dict[str, float]:
+    """``NAME=VALUE`` items (``--estimator``) as ``AcceptanceEstimator`` keyword arguments."""
+    options = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in ESTIMATOR_OPTIONS:
+            names = ", ".join(ESTIMATOR_OPTIONS)
+            raise ValueError(f"--estimator wants NAME=VALUE with NAME one of {names}: {item!r}")
+        try:
+            options[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--estimator {name}: not a number: {value!r}") from None
+    return options
+
+
 def run_policy_bench(args: Any, settings: Any, build_engine: Callable[..., Any]) -> int:
     """The `--policies` mode of `specserve bench` (see the module docstring)."""
     loads = sorted(set(args.loads or LOADS))
@@ -392,7 +410,11 @@ def run_policy_bench(args: Any, settings: Any, build_engine: Callable[..., Any])
     cost = FittedCostModel.from_dict(traces.cost_model)
     cost.reset_corrections()  # the profile's fit; online corrections are the recording run's
     priors = None if args.no_priors else acceptance_priors(traces.traces, RECORD_DEPTH)
-    table = run_simulation(traces.traces, cost, loads, priors=priors)
+    options = estimator_options(args.estimator or [])
+    table = run_simulation(traces.traces, cost, loads, priors=priors, estimator=options)
+    if options:
+        given = ", ".join(f"{k}={v:g}" for k, v in options.items())
+        sections.append(f"Estimator (simulation only; the real runs use the defaults): {given}\n")
     sections.append("Priors: " + ("the estimator's default (a cold cluster, `--no-priors`)." if priors is None
                     else "the traces' pooled acceptance per (proposer, workload), as the shared statistics "
                     "would hold them (see serve_app/bench_policies.py).") + "\n")  # fmt: skip

@@ -410,6 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--policies: start every policy from the estimator's default acceptance, not "
         "from the traces' pooled acceptance (a cold cluster's shared statistics)",
     )
+    bench.add_argument(
+        "--estimator",
+        nargs="+",
+        metavar="NAME=VALUE",
+        help="--policies: acceptance estimator parameters for the simulation (alpha, prior_weight, "
+        "pool_alpha, relax, default, decay; see policies/acceptance.py), e.g. pool_alpha=0.05",
+    )
     bench.add_argument("--out", default="bench-results", help="folder for the JSON and Markdown results")
     bench.set_defaults(func=cmd_bench)
 

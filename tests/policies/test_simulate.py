@@ -88,3 +88,17 @@ def test_goodput_at_middle_load_stays_near_the_better_of_plain_and_static():
     traces = uniform_traces(WORKLOADS, 4)
     results = {name: run(name, traces, 4).tokens_per_second for name in ("plain", "static", "goodput")}
     assert results["goodput"] >= 0.95 * max(results["plain"], results["static"])
+
+
+def test_estimator_options_reach_the_estimator():
+    # No priors: a request starts from the estimator's default acceptance. At default 0 goodput
+    # expects nothing from a draft and stays plain (its relaxation pulls back towards 0 too); at 0.9
+    # it drafts from the first step.
+    traces = uniform_traces({"code": WORKLOADS["code"]}, 2)
+    policy = lambda: create_policy("goodput", PolicyConfig(default_proposer="draft"))  # noqa: E731
+    cold = simulate(policy(), traces, qwen_cpu_cost(), 1, proposers=("draft",),
+                    estimator_options={"default": 0.0})  # fmt: skip
+    warm = simulate(policy(), traces, qwen_cpu_cost(), 1, proposers=("draft",),
+                    estimator_options={"default": 0.9})  # fmt: skip
+    assert cold.drafted["draft"] == 0
+    assert warm.drafted["draft"] > 0 and warm.tokens_per_second > cold.tokens_per_second

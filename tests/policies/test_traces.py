@@ -87,6 +87,7 @@ def test_the_shipped_qwen_traces_cover_every_kind_and_proposer():
     assert all({"draft", "ngram"} <= set(t.matches) for t in traces.traces)
     assert all(len(m) == t.output_len for t in traces.traces for m in t.matches.values())
     assert traces.cost_model["target"][0] > 0 and "draft" in traces.cost_model["draft"]
+
     # the draft model agrees with the target far more on code than on prose
     def mean_match(kind: str) -> float:
         values = [x for t in traces.traces if t.name.startswith(kind) for x in t.matches["draft"]]

@@ -10,6 +10,7 @@ from policies.traces import TraceSet
 from serve_app.bench import Prompt
 from serve_app.bench_policies import (
     closed_loop,
+    estimator_options,
     policy_engine,
     real_policy,
     record_traces,
@@ -103,3 +104,14 @@ def test_real_run_labels_name_a_policy_or_a_static_arm(engine) -> None:
     assert real_policy("draft d1") == ("static", ("draft", 1))
     arm = policy_engine(engine, "ngram d2", FittedCostModel())
     assert (arm.config.policy, arm.config.spec_method, arm.config.spec_depth) == ("static", "ngram", 2)
+
+
+def test_estimator_options_parse_names_and_numbers() -> None:
+    parsed = estimator_options(["pool_alpha=0.05", "prior_weight=4"])
+    assert parsed == {"pool_alpha": 0.05, "prior_weight": 4.0}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        estimator_options(["pool_alpha"])
+    with pytest.raises(ValueError, match="one of"):
+        estimator_options(["speed=3"])
+    with pytest.raises(ValueError, match="not a number"):
+        estimator_options(["alpha=fast"])
