@@ -17,6 +17,8 @@ Three parts, one command:
 3. **Real runs** (``--real-loads``): the same prompts through the engine, closed loop (a finished
    request is replaced at once, as a load-test user would), for plain, the best static depth and
    goodput, at a few load levels and over the mix. Emitted tokens / wall time, prefills included.
+   The engine runs on a cost model profiled on this machine first (the trace file's, which the
+   simulation replays, may have been measured on other hardware).
 
 Priors. A replica reads each (proposer, workload)'s acceptance from the shared statistics when it
 admits a request, so in steady state a request starts from the cluster's experience, not from the
@@ -366,6 +368,26 @@ def real_markdown(
 
 
 # ------------------------------------------------------------------------------------ command
+def cost_comparison(traces: FittedCostModel, here: FittedCostModel, proposers: Sequence[str]) -> str:
+    """One line: the trace file's cost model against the one just profiled for the real runs."""
+    shapes = [(1, 1), (1, 5), (16, 1)]
+    parts = [
+        f"target {rows} row(s) x {tokens} token(s) {here.target_time(rows, tokens, 64) * 1e3:.1f} ms "
+        f"(traces: {traces.target_time(rows, tokens, 64) * 1e3:.1f})"
+        for rows, tokens in shapes
+    ]
+    for p in proposers:
+        mine, theirs = here.draft_time(p, 1, 64), traces.draft_time(p, 1, 64)
+        if mine <= 0.0 and theirs <= 0.0:  # free proposers (n-gram)
+            continue
+        parts.append(f"{p} step {mine * 1e3:.1f} ms (traces: {theirs * 1e3:.1f})")
+    return (
+        "Real runs: the cost model profiled on this machine at the start, as a replica without a cached "
+        "one does (the trace file's may come from other hardware; the simulation keeps it), at context 64: "
+        + "; ".join(parts) + ".\n"
+    )
+
+
 ESTIMATOR_OPTIONS = ("alpha", "prior_weight", "pool_alpha", "relax", "default", "decay")
 
 
@@ -427,7 +449,12 @@ def run_policy_bench(args: Any, settings: Any, build_engine: Callable[..., Any])
         prompts = [p for p in TRACE_PROMPTS if not args.kinds or p.kind in args.kinds]
         kinds = [p.kind for p in prompts]
         prompts = [p for i, p in enumerate(prompts) if i < kinds.index(p.kind) + REAL_PER_KIND]
-        real, mix = run_real(engine, prompts, cost, sorted(set(args.real_loads)), args.max_tokens, names,
+        real_cost = cost
+        if not args.record_traces:  # the trace file's cost model may come from other hardware
+            print("profiling the cost model on this machine ...", file=sys.stderr)
+            real_cost = engine.profile_cost_model()
+            sections.append(cost_comparison(cost, real_cost, list(engine.proposers)))
+        real, mix = run_real(engine, prompts, real_cost, sorted(set(args.real_loads)), args.max_tokens, names,
                              args.repeats, lambda s: print(s, file=sys.stderr), priors)  # fmt: skip
         sections.append(real_markdown(real, mix, args.max_tokens, args.repeats))
     markdown = "\n".join(sections)

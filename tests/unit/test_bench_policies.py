@@ -10,6 +10,7 @@ from policies.traces import TraceSet
 from serve_app.bench import Prompt
 from serve_app.bench_policies import (
     closed_loop,
+    cost_comparison,
     estimator_options,
     policy_engine,
     real_policy,
@@ -115,3 +116,14 @@ def test_estimator_options_parse_names_and_numbers() -> None:
         estimator_options(["speed=3"])
     with pytest.raises(ValueError, match="not a number"):
         estimator_options(["alpha=fast"])
+
+
+def test_cost_comparison_sets_this_machine_beside_the_traces() -> None:
+    traces = FittedCostModel((0.05, 0.001, 0.0, 0.0), knee=16, draft={"draft": (0.015, 0.001, 0.0)})
+    here = FittedCostModel((0.10, 0.002, 0.0, 0.0), knee=16, draft={"draft": (0.030, 0.002, 0.0)})
+    line = cost_comparison(traces, here, ["draft", "ngram"])
+    assert "target 1 row(s) x 1 token(s)" in line and "draft step" in line
+    assert "ngram" not in line  # free: no draft cost on either side
+    here_ms = float(line.split("target 1 row(s) x 1 token(s) ")[1].split(" ms")[0])
+    theirs_ms = float(line.split("(traces: ")[1].split(")")[0])
+    assert here_ms == pytest.approx(2 * theirs_ms, rel=0.05)
