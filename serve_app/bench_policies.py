@@ -378,7 +378,7 @@ def cost_comparison(traces: FittedCostModel, here: FittedCostModel, proposers: S
     ]
     for p in proposers:
         mine, theirs = here.draft_time(p, 1, 64), traces.draft_time(p, 1, 64)
-        if mine <= 0.0 and theirs <= 0.0:  # free proposers (n-gram)
+        if max(mine, theirs) < 1e-4:  # free proposers (n-gram)
             continue
         parts.append(f"{p} step {mine * 1e3:.1f} ms (traces: {theirs * 1e3:.1f})")
     return (

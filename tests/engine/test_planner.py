@@ -97,7 +97,7 @@ def test_empty_drafts_count_as_rejections() -> None:
     planner.admit("r", "some prose without repeats")
     request = PlannedRequest("r", 10, 5, 50, 0.0, "auto", None, 100)
     before = planner.estimator.estimate("r", "ngram", 1)[0]
-    for _ in range(5):
+    for _ in range(10):  # ten empty drafts: the prior counts as 8 verdicts
         times = (0.1, {"ngram": 0.0}, {"ngram": 0}, 0.1)
         planner.observe([request], [Decision("ngram", 4)], [0], [0], [1], *times)
     assert planner.estimator.estimate("r", "ngram", 1)[0] < before / 2
