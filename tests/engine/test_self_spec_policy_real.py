@@ -3,8 +3,9 @@
 SmolLM2-135M in bf16 with no draft model, method ``self`` (plus the free n-gram proposer, as
 ``engine_config`` loads them), goodput policy, cost model profiled as a replica profiles it. On this
 model a self draft step costs most of a plain step (BENCHMARKS.md, skip curve), so a request that
-leaves speculation to the server ("auto") must decode plainly nearly every step, and its output must
-still be plain decoding's (up to bf16 near-ties, checked as in ``test_speculative_real``).
+leaves speculation to the server ("auto") must almost never draft with ``self`` (plain or the free
+n-gram proposer instead), and its output must still be plain decoding's (up to bf16 near-ties,
+checked as in ``test_speculative_real``).
 """
 
 from __future__ import annotations
@@ -41,5 +42,7 @@ def test_goodput_does_not_pick_self_where_it_loses(smollm2_path) -> None:
                 steps[output.step_proposer or "plain"] += 1
         assert_equal_or_near_tie(engine, prompt, plain, tokens)
     total = sum(steps.values())
+    # Self drafting loses here, so goodput almost never picks it. The other steps are plain or
+    # n-gram: the n-gram proposer is free (a step where it finds no match costs a plain step), and
+    # with a request's prior worth 8 verdicts goodput keeps trying it on code for longer.
     assert steps["self"] <= 0.1 * total, steps
-    assert steps["plain"] >= 0.5 * total, steps
