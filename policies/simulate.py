@@ -111,7 +111,7 @@ def simulate(
         proposers = list(dict.fromkeys(p for t in traces for p in t.proposers()))
     proposers = tuple(proposers)
     estimator = estimator or AcceptanceEstimator(
-        priors, max_depth=max(16, max_depth), **dict(estimator_options or {})
+        priors, max_depth=max(16, max_depth), **(estimator_options or {})
     )
     clock = true_cost or cost
     queue = [_Running(i, t, seed) for i, t in reversed(list(enumerate(traces)))]
@@ -250,7 +250,7 @@ def simulate_mix(
     phase carries into the next, as on a replica whose load changes): totals over all phases."""
     if proposers is None:
         proposers = list(dict.fromkeys(p for ph in phases for t in ph.traces for p in t.proposers()))
-    estimator = AcceptanceEstimator(priors, max_depth=max(16, max_depth), **dict(estimator_options or {}))
+    estimator = AcceptanceEstimator(priors, max_depth=max(16, max_depth), **(estimator_options or {}))
     parts = [
         simulate(policy, ph.traces, cost, ph.concurrency, proposers=proposers, max_depth=max_depth,
                  seed=seed + i, estimator=estimator, **options)  # type: ignore[arg-type]

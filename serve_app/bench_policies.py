@@ -31,6 +31,7 @@ the cluster's experience, not a forecast.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from typing import Any
 
 import policies
 from policies import FittedCostModel, PolicyConfig, classify, create_policy, registered_policies
+from policies.acceptance import AcceptanceEstimator
 from policies.simulate import (
     Phase,
     SimResult,
@@ -388,7 +390,12 @@ def cost_comparison(traces: FittedCostModel, here: FittedCostModel, proposers: S
     )
 
 
-ESTIMATOR_OPTIONS = ("alpha", "prior_weight", "pool_alpha", "relax", "default", "decay")
+# The estimator's numeric keyword parameters, read off its signature (max_depth is the benchmark's).
+ESTIMATOR_OPTIONS = tuple(
+    name
+    for name, param in inspect.signature(AcceptanceEstimator).parameters.items()
+    if param.kind is param.KEYWORD_ONLY and name not in ("model_pair", "max_depth")
+)
 
 
 def estimator_options(items: Sequence[str]) -> dict[str, float]:
