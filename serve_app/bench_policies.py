@@ -24,8 +24,9 @@ Priors. A replica reads each (proposer, workload)'s acceptance from the shared s
 admits a request, so in steady state a request starts from the cluster's experience, not from the
 estimator's default. Both the simulation and the real runs start every policy from the same priors:
 the traces' pooled acceptance per (proposer, workload) (``policies.traces.acceptance_priors``), what
-the shared statistics hold after serving these prompts. ``--no-priors`` starts from the default
-instead (a cold cluster). The priors come from the very prompts being run: they are the best case of
+the shared statistics hold after serving these prompts. ``--no-priors`` starts from what a fresh
+engine assumes instead (a cold cluster: each proposer's registered cold acceptance, else the
+estimator's default). The priors come from the very prompts being run: they are the best case of
 the cluster's experience, not a forecast.
 """
 
@@ -41,7 +42,7 @@ from typing import Any
 
 import policies
 from policies import FittedCostModel, PolicyConfig, classify, create_policy, registered_policies
-from policies.acceptance import AcceptanceEstimator
+from policies.acceptance import ANY, AcceptanceEstimator
 from policies.simulate import (
     Phase,
     SimResult,
@@ -54,6 +55,7 @@ from policies.simulate import (
 )
 from policies.traces import RecordedTrace, StepRecord, TraceSet, acceptance_priors, matches_from_steps
 from serve_app.bench import Prompt
+from serve_app.engine.proposers import cold_acceptance
 
 DEFAULT_TRACES = Path(policies.__file__).parent / "traces" / "qwen2.5-coder-1.5b-0.5b-cpu.json"
 LOADS = (1, 2, 4, 8, 16, 32)
@@ -398,6 +400,14 @@ ESTIMATOR_OPTIONS = tuple(
 )
 
 
+def cold_priors(traces: Sequence[RecordedTrace]) -> Priors:
+    """What a cold cluster starts from (``--no-priors``): each traced proposer's registered cold
+    acceptance for every workload, as ``SpecEngine`` seeds its planner; other proposers get the
+    estimator's default."""
+    names = list(dict.fromkeys(p for t in traces for p in t.matches))
+    return {(name, ANY): rates for name, rates in cold_acceptance(names).items()}
+
+
 def estimator_options(items: Sequence[str]) -> dict[str, float]:
     """``NAME=VALUE`` items (``--estimator``) as ``AcceptanceEstimator`` keyword arguments."""
     options = {}
@@ -438,13 +448,14 @@ def run_policy_bench(args: Any, settings: Any, build_engine: Callable[..., Any])
     traces = TraceSet.load(trace_path)
     cost = FittedCostModel.from_dict(traces.cost_model)
     cost.reset_corrections()  # the profile's fit; online corrections are the recording run's
-    priors = None if args.no_priors else acceptance_priors(traces.traces, RECORD_DEPTH)
+    priors = cold_priors(traces.traces) if args.no_priors else acceptance_priors(traces.traces, RECORD_DEPTH)
     options = estimator_options(args.estimator or [])
     table = run_simulation(traces.traces, cost, loads, priors=priors, estimator=options)
     if options:
         given = ", ".join(f"{k}={v:g}" for k, v in options.items())
         sections.append(f"Estimator (simulation only; the real runs use the defaults): {given}\n")
-    sections.append("Priors: " + ("the estimator's default (a cold cluster, `--no-priors`)." if priors is None
+    sections.append("Priors: " + ("what each proposer registered as its cold acceptance, else the "
+                    "estimator's default (a cold cluster, `--no-priors`)." if args.no_priors
                     else "the traces' pooled acceptance per (proposer, workload), as the shared statistics "
                     "would hold them (see serve_app/bench_policies.py).") + "\n")  # fmt: skip
     sections.append(simulation_markdown(table, traces))

@@ -407,8 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--no-priors",
         action="store_true",
-        help="--policies: start every policy from the estimator's default acceptance, not "
-        "from the traces' pooled acceptance (a cold cluster's shared statistics)",
+        help="--policies: start every policy from what a fresh engine assumes (each proposer's "
+        "cold acceptance, else the estimator's default), not from the traces' pooled acceptance",
     )
     bench.add_argument(
         "--estimator",

@@ -30,6 +30,7 @@ from serve_app.engine.proposers import (
     Proposer,
     ProposerContext,
     ProposeRow,
+    cold_acceptance,
     create_proposer,
     needs_prefill,
 )
@@ -100,8 +101,9 @@ class SpecEngine:
             PolicyConfig(config.spec_method, config.spec_depth, config.max_depth, config.policy_params),
         )
         self.planner = SpeculationPlanner(
-            policy, list(self.proposers), config.max_depth, config.spec_method, model_pair, stats=stats
-        )
+            policy, list(self.proposers), config.max_depth, config.spec_method, model_pair, stats=stats,
+            cold_priors=cold_acceptance(list(self.proposers)),
+        )  # fmt: skip
         self.use_cost_model(self.planner.cost)
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = frozenset(i for i in (*eos_ids, tokenizer_eos) if i is not None)

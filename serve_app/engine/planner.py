@@ -15,11 +15,12 @@ The stats sink is anything with ``record(key, drafted, accepted)`` and ``priors(
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from policies import AcceptanceEstimator, FittedCostModel, Policy, classify
+from policies.acceptance import ANY
 from policies.base import Decision, Outcome, RequestOutcome, RequestView, StepView
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,11 @@ class SpeculationPlanner:
         model_pair: str = "",
         cost: FittedCostModel | None = None,
         stats: StatsSink | None = None,
+        cold_priors: Mapping[str, Sequence[float]] | None = None,
     ) -> None:
+        """``cold_priors``: proposer -> the acceptance to assume for it before any statistics, for
+        every workload (what the proposer registered as ``cold_acceptance``); the shared statistics'
+        priors per workload take precedence once they exist."""
         self.policy = policy
         self.proposers = tuple(proposers)
         self.max_depth = max_depth
@@ -69,7 +74,11 @@ class SpeculationPlanner:
         self.model_pair = model_pair
         self.cost = cost or FittedCostModel()
         self.stats = stats
-        self.estimator = AcceptanceEstimator(model_pair=model_pair or None, max_depth=max(1, max_depth))
+        self.estimator = AcceptanceEstimator(
+            {(p, ANY): rates for p, rates in (cold_priors or {}).items() if p in self.proposers},
+            model_pair=model_pair or None,
+            max_depth=max(1, max_depth),
+        )
         self._workload: dict[str, str] = {}
         self._finished: set[str] = set()  # finished during a step; forgotten after its outcome
 

@@ -101,3 +101,20 @@ def test_empty_drafts_count_as_rejections() -> None:
         times = (0.1, {"ngram": 0.0}, {"ngram": 0}, 0.1)
         planner.observe([request], [Decision("ngram", 4)], [0], [0], [1], *times)
     assert planner.estimator.estimate("r", "ngram", 1)[0] < before / 2
+
+
+def test_fresh_engine_starts_ngram_from_its_cold_acceptance(target_hf, tiny_tokenizer, prompts) -> None:
+    """Without shared statistics an n-gram lookup is not assumed to be a 0.7-accepting draft (it
+    mostly finds nothing); the draft model keeps the estimator's default; shared priors win."""
+    from serve_app.engine.proposers.ngram import COLD_ACCEPTANCE
+
+    sink = EngineStatsSink(SharedStats(StatsSettings(redis_url=None), replica_id="test"))
+    engine = make_engine(target_hf, tiny_tokenizer, "goodput", sink)
+    workload = engine.planner.admit("cold", "def add(a, b):")
+    estimator = engine.planner.estimator
+    assert estimator.estimate("cold", "ngram", 3) == COLD_ACCEPTANCE[:3]
+    assert estimator.estimate("cold", "draft", 1) == (estimator.default[0],)
+    for _ in range(50):  # the cluster has seen this class's n-gram drafts all accepted
+        sink.record(("tiny|tiny", "ngram", workload), 3, 3)
+    engine.planner.admit("warm", "def add(a, b):")
+    assert min(estimator.estimate("warm", "ngram", 3)) > 0.9

@@ -105,3 +105,20 @@ def test_context_options_are_read_only():
     ctx = context(max_ngram=4)
     with pytest.raises(TypeError):
         ctx.options["max_ngram"] = 5  # type: ignore[index]
+
+
+def test_cold_acceptance_is_what_a_proposer_registered():
+    from serve_app.engine.proposers import cold_acceptance
+    from serve_app.engine.proposers.ngram import COLD_ACCEPTANCE
+
+    # ngram declares its own (a lookup mostly finds nothing at position 0); the draft model and
+    # unknown names leave it to the estimator's default.
+    assert cold_acceptance(["draft", "ngram", "no-such"]) == {"ngram": COLD_ACCEPTANCE}
+    assert COLD_ACCEPTANCE[0] < 0.3 < min(COLD_ACCEPTANCE[1:])
+
+
+@pytest.mark.parametrize("rates", [(), (0.5, 1.5), (-0.1,)])
+def test_cold_acceptance_must_be_rates(scratch_registry, rates):
+    with pytest.raises(ValueError, match="cold_acceptance"):
+        register_proposer("odd", "a proposer with impossible rates", cold_acceptance=rates)(_Echo)
+    assert "odd" not in registered_proposers()

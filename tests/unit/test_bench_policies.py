@@ -9,7 +9,9 @@ from policies import FittedCostModel
 from policies.traces import TraceSet
 from serve_app.bench import Prompt
 from serve_app.bench_policies import (
+    DEFAULT_TRACES,
     closed_loop,
+    cold_priors,
     cost_comparison,
     estimator_options,
     policy_engine,
@@ -127,3 +129,11 @@ def test_cost_comparison_sets_this_machine_beside_the_traces() -> None:
     here_ms = float(line.split("target 1 row(s) x 1 token(s) ")[1].split(" ms")[0])
     theirs_ms = float(line.split("(traces: ")[1].split(")")[0])
     assert here_ms == pytest.approx(2 * theirs_ms, rel=0.05)
+
+
+def test_a_cold_simulation_starts_where_a_fresh_engine_does() -> None:
+    """``--no-priors``: the traced proposers' registered cold acceptance, as SpecEngine seeds it."""
+    from serve_app.engine.proposers.ngram import COLD_ACCEPTANCE
+
+    traces = TraceSet.load(DEFAULT_TRACES).traces
+    assert cold_priors(traces) == {("ngram", "*"): COLD_ACCEPTANCE}

@@ -10,6 +10,7 @@ from serve_app.engine.proposers.base import Draft, ModelDrafter, Proposer, Propo
 from serve_app.engine.proposers.registry import (
     ProposerContext,
     ProposerFactory,
+    cold_acceptance,
     create_proposer,
     register_proposer,
     registered_proposers,
@@ -22,6 +23,7 @@ __all__ = [
     "Proposer",
     "ProposerContext",
     "ProposerFactory",
+    "cold_acceptance",
     "create_proposer",
     "needs_prefill",
     "register_proposer",

@@ -11,7 +11,7 @@ proposer types: adding a proposer is one new module plus one import in ``propose
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -45,25 +45,37 @@ ProposerFactory = Callable[[ProposerContext], Proposer]
 class _Entry:
     factory: ProposerFactory
     description: str
+    cold_acceptance: tuple[float, ...] | None
 
 
 # The registry itself; mutated only by ``register_proposer``.
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register_proposer(name: str, description: str) -> Callable[[ProposerFactory], ProposerFactory]:
-    """Decorator: register ``factory`` under ``name``. A name can be registered once (ValueError)."""
+def register_proposer(
+    name: str, description: str, cold_acceptance: Sequence[float] | None = None
+) -> Callable[[ProposerFactory], ProposerFactory]:
+    """Decorator: register ``factory`` under ``name``. A name can be registered once (ValueError).
+
+    ``cold_acceptance``: the conditional acceptance per draft position (the last repeats) that a
+    policy assumes for this proposer before any statistics exist (a fresh cluster, a workload never
+    seen); None leaves it to the acceptance estimator's generic default. A proposer whose drafts
+    differ in kind from a model's (an n-gram lookup mostly finds nothing) says what it knows here.
+    """
     if not isinstance(name, str) or not name.strip() or name != name.strip():
         raise ValueError(f"proposer name must be a non-empty string without surrounding spaces: {name!r}")
     if not isinstance(description, str) or not description.strip():
         raise ValueError(f"proposer {name!r} needs a one-line description")
+    cold = None if cold_acceptance is None else tuple(float(r) for r in cold_acceptance)
+    if cold is not None and (not cold or any(not 0.0 <= r <= 1.0 for r in cold)):
+        raise ValueError(f"proposer {name!r}: cold_acceptance must be rates in [0, 1]: {cold_acceptance!r}")
 
     def decorator(factory: ProposerFactory) -> ProposerFactory:
         if name in _REGISTRY:
             raise ValueError(f"proposer {name!r} is already registered")
         if not callable(factory):
             raise TypeError(f"proposer {name!r}: factory must be callable, got {factory!r}")
-        _REGISTRY[name] = _Entry(factory=factory, description=" ".join(description.split()))
+        _REGISTRY[name] = _Entry(factory, " ".join(description.split()), cold)
         return factory
 
     return decorator
@@ -86,3 +98,8 @@ def create_proposer(name: str, context: ProposerContext) -> Proposer:
 def registered_proposers() -> dict[str, str]:
     """Name -> one-line description of every registered proposer (a copy, sorted by name)."""
     return {name: _REGISTRY[name].description for name in sorted(_REGISTRY)}
+
+
+def cold_acceptance(names: Sequence[str]) -> dict[str, tuple[float, ...]]:
+    """Name -> the rates it registered as ``cold_acceptance``, for those of ``names`` that did."""
+    return {n: e.cold_acceptance for n in names if (e := _REGISTRY.get(n)) and e.cold_acceptance is not None}
