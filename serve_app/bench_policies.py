@@ -219,6 +219,7 @@ class RealRun:
     seconds: float
     drafted: int
     accepted: int
+    rounds: tuple[float, ...] = ()  # every repeat's tok/s, in round order (see ``run_real``)
 
     @property
     def rate(self) -> float:
@@ -270,36 +271,59 @@ def policy_engine(base: Any, policy: str, cost: FittedCostModel, priors: Priors 
     return engine
 
 
+def rotated(items: Sequence[str], shift: int) -> list[str]:
+    """``items`` rotated left by ``shift``: round r of a real run takes the policies in this order."""
+    k = shift % len(items) if items else 0
+    return [*items[k:], *items[:k]]
+
+
+def median_run(runs: Sequence[RealRun]) -> RealRun:
+    """The median run by rate, carrying every run's rate in round order."""
+    middle = sorted(runs, key=lambda r: r.rate)[len(runs) // 2]
+    return replace(middle, rounds=tuple(r.rate for r in runs))
+
+
 def run_real(base: Any, prompts: Sequence[Prompt], cost: FittedCostModel, loads: Sequence[int], n: int,
              policies_: Sequence[str], repeats: int, log: Callable[[str], None] = print,
-             priors: Priors | None = None,
+             priors: Priors | None = None, mix_repeats: int | None = None,
              ) -> tuple[dict[str, dict[int, RealRun]], dict[str, RealRun]]:  # fmt: skip
-    """Closed-loop runs per (policy, load), median of ``repeats`` by rate; then the mix."""
+    """Closed-loop runs per (policy, load), then the mix; each the median of ``repeats`` by rate
+    (``mix_repeats`` for the mix, default ``repeats``).
+
+    The repeats are interleaved: round r runs every policy once, in ``rotated`` order, before round
+    r + 1 starts. A shared machine's speed drifts over minutes (a neighbour's memory traffic halves
+    the bandwidth here at times); policy after policy in blocks would charge a slow spell to
+    whichever policy ran in it, while rounds spread it over all of them, and each round's ratios
+    compare runs minutes apart at most (``real_markdown`` reports the median of those too)."""
     encoded = [base.encode_prompt(p.text, chat=p.chat) for p in prompts]
     results: dict[str, dict[int, RealRun]] = {p: {} for p in policies_}
     warm = policy_engine(base, "plain", cost)
     closed_loop(warm, encoded[:2], 2, 8)  # warm-up
     for load in loads:
         requests = [encoded[i % len(encoded)] for i in range(max(2 * load, len(encoded)))]
-        for policy in policies_:
-            runs = []
-            for _ in range(repeats):
+        runs: dict[str, list[RealRun]] = {p: [] for p in policies_}
+        for round_ in range(repeats):
+            for policy in rotated(policies_, round_):
                 run = closed_loop(policy_engine(base, policy, cost, priors), requests, load, n)
                 run.policy = policy
-                runs.append(run)
-                log(f"[real] load {load} {policy}: {run.rate:.2f} tok/s, "
+                runs[policy].append(run)
+                log(f"[real] load {load} round {round_ + 1} {policy}: {run.rate:.2f} tok/s, "
                     f"accepted {run.accepted}/{run.drafted}")
-            results[policy][load] = sorted(runs, key=lambda r: r.rate)[len(runs) // 2]
+        for policy in policies_:
+            results[policy][load] = median_run(runs[policy])
     quiet = [e for e, p in zip(encoded, prompts, strict=True) if p.kind in ("code", "prose")]
     phases = [(quiet, MIX_LOW), (encoded * MIX_REPEAT, MIX_BURST), (quiet, MIX_LOW)]
-    mix = {}
-    for policy in policies_:
-        engine = policy_engine(base, policy, cost, priors)  # one engine: what it learns carries across phases
-        parts = [closed_loop(engine, reqs, load, n) for reqs, load in phases]
-        mix[policy] = RealRun(policy, MIX_BURST, sum(p.tokens for p in parts), sum(p.seconds for p in parts),
-                              sum(p.drafted for p in parts), sum(p.accepted for p in parts))  # fmt: skip
-        log(f"[real] mix {policy}: {mix[policy].rate:.2f} tok/s")
-    return results, mix
+    mixes: dict[str, list[RealRun]] = {p: [] for p in policies_}
+    for round_ in range(repeats if mix_repeats is None else mix_repeats):
+        for policy in rotated(policies_, round_):
+            # One engine through all phases: what it learns carries across them.
+            engine = policy_engine(base, policy, cost, priors)
+            parts = [closed_loop(engine, reqs, load, n) for reqs, load in phases]
+            run = RealRun(policy, MIX_BURST, sum(p.tokens for p in parts), sum(p.seconds for p in parts),
+                          sum(p.drafted for p in parts), sum(p.accepted for p in parts))  # fmt: skip
+            mixes[policy].append(run)
+            log(f"[real] mix round {round_ + 1} {policy}: {run.rate:.2f} tok/s")
+    return results, {p: median_run(runs) for p, runs in mixes.items()}
 
 
 # ------------------------------------------------------------------------------------ report
@@ -344,30 +368,48 @@ def statistics_of(traces: TraceSet) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
+def paired_ratio(good: RealRun, other: RealRun) -> float | None:
+    """The median over rounds of goodput's rate / the other's in the same round (None: no rounds)."""
+    ratios = sorted(g / o for g, o in zip(good.rounds, other.rounds, strict=False) if o > 0)
+    return ratios[len(ratios) // 2] if ratios else None
+
+
+def _ratio_cells(good: RealRun, best: RealRun, plain: RealRun | None) -> list[str]:
+    paired = paired_ratio(good, best)
+    cells = [f"{good.rate / best.rate:.3f}x", "-" if paired is None else f"{paired:.3f}x"]
+    return [*cells, f"{good.rate / plain.rate:.3f}x" if plain else "-"]
+
+
 def real_markdown(
-    results: dict[str, dict[int, RealRun]], mix: dict[str, RealRun], n: int, repeats: int
+    results: dict[str, dict[int, RealRun]], mix: dict[str, RealRun], n: int, repeats: int,
+    mix_repeats: int | None = None,
 ) -> str:
     names = list(results)
     loads = sorted({load for r in results.values() for load in r})
     lines = [
         "### Real engine runs (closed loop)", "",
         f"Greedy, {n} tokens per request, EOS ignored; tok/s = emitted tokens / wall time (prefills "
-        f"included), median of {repeats}. static = {_arm(BEST_STATIC)}.", "",
+        f"included), median of {repeats} interleaved rounds (each round runs every policy once). "
+        f"static = {_arm(BEST_STATIC)}. Paired: the median over rounds of goodput / best other "
+        "within the round (robust to the machine's speed drifting between rounds).", "",
     ]  # fmt: skip
-    ratios = ["goodput / best other", "goodput / plain"]
+    ratios = ["goodput / best other", "paired", "goodput / plain"]
     head = ["load", *names, *(ratios if "goodput" in names else [])]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for load in loads:
-        cells = [str(load)] + [f"{results[p][load].rate:.2f}" for p in names]
+    rows = [(str(load), {p: results[p][load] for p in names}) for load in loads]
+    if mix:
+        rows.append(("mix", mix))
+    for label, runs in rows:
+        cells = [label] + [f"{runs[p].rate:.2f}" for p in names]
         if "goodput" in names:
-            best = max(results[p][load].rate for p in names if p != "goodput")
-            good = results["goodput"][load].rate
-            cells += [f"{good / best:.3f}x", f"{good / results['plain'][load].rate:.3f}x"]
+            best = max((runs[p] for p in names if p != "goodput"), key=lambda r: r.rate)
+            cells += _ratio_cells(runs["goodput"], best, runs.get("plain"))
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Mixed workload, for real: " + ", ".join(f"{p} {r.rate:.2f} tok/s" for p, r in mix.items())]
-    if "goodput" in mix:
-        best = max(r.rate for p, r in mix.items() if p != "goodput")
-        lines[-1] += f"; goodput / best other = {mix['goodput'].rate / best:.3f}x"
+    if mix:
+        rounds = repeats if mix_repeats is None else mix_repeats
+        lines += ["", f"mix (median of {rounds} rounds): code and prose one request at a time, a burst of "
+                  f"every prompt {MIX_REPEAT}x with up to {MIX_BURST} in flight, then code and prose again; "
+                  "one engine a run."]
     return "\n".join([*lines, ""])
 
 
@@ -473,8 +515,9 @@ def run_policy_bench(args: Any, settings: Any, build_engine: Callable[..., Any])
             real_cost = engine.profile_cost_model()
             sections.append(cost_comparison(cost, real_cost, list(engine.proposers)))
         real, mix = run_real(engine, prompts, real_cost, sorted(set(args.real_loads)), args.max_tokens, names,
-                             args.repeats, lambda s: print(s, file=sys.stderr), priors)  # fmt: skip
-        sections.append(real_markdown(real, mix, args.max_tokens, args.repeats))
+                             args.repeats, lambda s: print(s, file=sys.stderr), priors,
+                             args.mix_repeats)  # fmt: skip
+        sections.append(real_markdown(real, mix, args.max_tokens, args.repeats, args.mix_repeats))
     markdown = "\n".join(sections)
     stem = out / f"policies-{time.strftime('%Y%m%d-%H%M%S')}.md"
     stem.write_text(markdown)

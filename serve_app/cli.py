@@ -405,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--loads", nargs="+", type=int, help="--policies: simulated load levels (1..32)")
     bench.add_argument("--real-loads", nargs="+", type=int, help="--policies: load levels to run for real")
     bench.add_argument(
+        "--mix-repeats",
+        type=int,
+        help="--policies: interleaved rounds of the real mixed workload (default: --repeats)",
+    )
+    bench.add_argument(
         "--no-priors",
         action="store_true",
         help="--policies: start every policy from what a fresh engine assumes (each proposer's "

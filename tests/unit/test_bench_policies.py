@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,13 +12,19 @@ from policies.traces import TraceSet
 from serve_app.bench import Prompt
 from serve_app.bench_policies import (
     DEFAULT_TRACES,
+    RealRun,
     closed_loop,
     cold_priors,
     cost_comparison,
     estimator_options,
+    median_run,
+    paired_ratio,
     policy_engine,
+    real_markdown,
     real_policy,
     record_traces,
+    rotated,
+    run_real,
     run_simulation,
     simulation_markdown,
     teacher_forced_matches,
@@ -99,6 +107,36 @@ def test_closed_loop_keeps_the_load_and_counts_every_token(engine) -> None:
         assert run.tokens == 4 * 10 and run.seconds > 0
         assert (run.drafted == 0) == (policy == "plain") or policy == "goodput"  # goodput may stay plain
     assert engine.cache.num_free == engine.cache.num_slots  # every slot given back
+
+
+def test_real_runs_interleave_the_policies_round_by_round(engine) -> None:
+    order: list[str] = []
+    results, mix = run_real(engine, PROMPTS, FittedCostModel(draft={"draft": (0.03, 0.005, 0.0)}), [1], 4,
+                            ["plain", "static", "goodput"], 2, log=order.append)  # fmt: skip
+    load_runs = [line.split(":")[0] for line in order if line.startswith("[real] load")]
+    assert load_runs == [
+        "[real] load 1 round 1 plain", "[real] load 1 round 1 static", "[real] load 1 round 1 goodput",
+        "[real] load 1 round 2 static", "[real] load 1 round 2 goodput", "[real] load 1 round 2 plain",
+    ]  # fmt: skip
+    assert sum(line.startswith("[real] mix round") for line in order) == 6
+    for runs in (*(r[1] for r in results.values()), *mix.values()):
+        assert len(runs.rounds) == 2 and runs.rate in runs.rounds
+    text = real_markdown(results, mix, 4, 2)
+    assert "| 1 |" in text and "| mix |" in text and "paired" in text
+    assert engine.cache.num_free == engine.cache.num_slots
+
+
+def test_medians_and_paired_ratios_over_rounds() -> None:
+    assert rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+    runs = [RealRun("goodput", 1, tokens, 1.0, 0, 0) for tokens in (30, 10, 20)]
+    middle = median_run(runs)
+    assert middle.rate == 20 and middle.rounds == (30.0, 10.0, 20.0)
+    # Round by round the other runs 10% slower in rounds 1 and 3, 50% faster in round 2 (a slow
+    # spell hit goodput's turn): the paired ratio is the median of 1.1, 0.667, 1.1.
+    other = replace(middle, policy="static", rounds=(30 / 1.1, 15.0, 20 / 1.1))
+    assert paired_ratio(middle, other) == pytest.approx(1.1)
+    assert paired_ratio(replace(middle, rounds=()), other) is None
 
 
 def test_real_run_labels_name_a_policy_or_a_static_arm(engine) -> None:
