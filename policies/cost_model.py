@@ -13,6 +13,16 @@ KV cache. The knee is chosen from ``KNEE_CANDIDATES`` by the best fit; the coeff
 squares on relative error (numpy), kept non-negative (a negative column is dropped and the rest
 refitted). Draft step per proposer (one token for every row): ``d0 + d1 * rows + d2 * rows * ctx``.
 A proposer never fitted nor observed costs 0 (n-gram lookup): fit every model-based proposer.
+
+Shape residual. The fit is monotone in n, the forward is not: measured on an AMD EPYC with
+AVX-512 BF16 (2 threads, Qwen 1.5B bf16, ctx 100, oneDNN's prepacked bf16 products), n = 1..9
+tokens cost about 150, 165, 148, 137, 131, 130, 150, 157, 158 ms: two tokens cost more than one,
+and four to six cost less than one, since oneDNN's kernel for a single row is not its fastest.
+The fitted curve averages that away, and a policy trusting it drafts at depths whose forwards are
+dear and avoids the cheap ones (the real load-1 runs of BENCHMARKS.md, "Speculation policies").
+So ``fit`` also keeps, for each n the profile measured, the ratio measured / fitted (``shape``; 1
+where n was not profiled), and every prediction is multiplied by it. ``profile_plan`` measures
+every n of one row up to ``SMALL_N`` for that reason.
 Admitting a request to a proposer costs its prefill (``draft_prefill_time``: one draft forward per
 ``PREFILL_CHUNK`` tokens of context), except for proposers marked ``no_prefill`` (they draft from
 state the target already holds, e.g. self-speculation in the target's own KV cache): 0.
@@ -20,8 +30,9 @@ state the target already holds, e.g. self-speculation in the target's own KV cac
 Online correction: each measurement moves a multiplicative factor geometrically towards
 measured / predicted, the ratio clipped to [1/2, 2] so one outlier (a GC pause, a neighbour's
 burst) moves a prediction by at most 2**ALPHA. There is one global factor (so a uniformly slower
-machine shifts every prediction, also of shapes not run lately) and one per regime (target:
-log2 buckets of n; draft: log2 buckets of rows) for the residual.
+machine shifts every prediction, also of shapes not run lately) and one per regime for the
+residual (target: each n up to ``SMALL_N`` on its own, since neighbouring widths differ by up to
+25% here, then log2 buckets of n; draft: log2 buckets of rows).
 """
 
 from __future__ import annotations
@@ -40,7 +51,11 @@ PREFILL_CHUNK = 64  # a prefill costs about one memory-bound forward per this ma
 ALPHA = 0.1  # online step (in log space) per measurement
 CLIP = 2.0  # a measurement's ratio to the prediction is clipped to [1/CLIP, CLIP]
 FACTOR_BOUNDS = (0.1, 10.0)
-BUCKETS = 8
+BUCKETS = 8  # draft: log2 buckets of rows
+SMALL_N = 16  # target: each n <= SMALL_N its own bucket, then log2 buckets up to 2**(LOG_N + 4)
+LOG_N = 4
+TARGET_BUCKETS = SMALL_N + LOG_N
+VERSION = 2
 # Used until ``fit`` runs: the fit of the Qwen2.5-Coder-1.5B bf16 forwards measured at ctx 200 on
 # this machine (above), c3 from bandwidth: 28 KB of KV per token of context per row at ~23 GB/s.
 DEFAULT_TARGET = (0.1313, 0.0053, 0.0, 1.2e-6)
@@ -48,15 +63,16 @@ DEFAULT_KNEE = 4
 
 
 def profile_plan() -> list[tuple[int, int]]:
-    """(rows, tokens_per_row) shapes to time at engine start (one context, e.g. 256): ~3 s/repeat.
+    """(rows, tokens_per_row) shapes to time at engine start (one context, e.g. 256): ~4.5 s a round.
 
-    n = rows x tokens_per_row covers 1..64 with rows 1/4/8, both sides of the knee, and the same n
-    at different rows (which separates the per-row term); rows 16 and 32 (n up to 128) pin the
-    compute-bound slope where heavy batches live. Shapes needing more KV slots than the engine has
-    are skipped: the fit needs at least 4 samples.
+    One row at every width 1..8 (the widths a lone request verifies, each with its own shape
+    residual, module docstring), then n = rows x tokens_per_row up to 32 with rows 1/4/8, both
+    sides of the knee, and the same n at different rows (which separates the per-row term); rows
+    16 and 32 (n up to 128) pin the compute-bound slope where heavy batches live. Shapes needing
+    more KV slots than the engine has are skipped: the fit needs at least 4 samples.
     """
-    return [(1, 1), (1, 4), (1, 8), (1, 16), (4, 1), (4, 4), (4, 8), (8, 1), (8, 2), (8, 4), (8, 8),
-            (16, 1), (16, 4), (32, 1), (32, 2), (32, 4)]  # fmt: skip
+    return [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7), (1, 8), (1, 16), (4, 1), (4, 4),
+            (8, 1), (8, 2), (8, 4), (16, 1), (16, 4), (32, 1), (32, 2), (32, 4)]  # fmt: skip
 
 
 def draft_profile_plan() -> list[int]:
@@ -65,7 +81,17 @@ def draft_profile_plan() -> list[int]:
 
 
 def _bucket(value: int) -> int:
+    """Draft correction bucket of ``value`` rows: log2."""
     return min(BUCKETS - 1, max(0, int(value).bit_length() - 1))
+
+
+def _target_bucket(n: int) -> int:
+    """Target correction bucket of n tokens in the forward: n - 1 up to ``SMALL_N``, then log2
+    (17..32 -> 16, 33..64 -> 17, ...)."""
+    n = max(1, int(n))
+    if n <= SMALL_N:
+        return n - 1
+    return min(TARGET_BUCKETS - 1, SMALL_N + (n - 1).bit_length() - SMALL_N.bit_length())
 
 
 def _nonneg_lstsq(columns: list[np.ndarray], y: np.ndarray, drop_order: Sequence[int]) -> np.ndarray:
@@ -97,22 +123,31 @@ class FittedCostModel:
         knee: int = DEFAULT_KNEE,
         draft: Mapping[str, Sequence[float]] | None = None,
         no_prefill: Iterable[str] = (),
+        shape: Mapping[int, float] | None = None,
     ) -> None:
         self.target = tuple(float(c) for c in target)  # c0, c1, c2, c3
         self.knee = int(knee)
+        # n -> measured / fitted at the profile (module docstring); part of the fit, not corrected
+        self.shape = {int(n): float(f) for n, f in (shape or {}).items()}
         self.draft = {name: tuple(float(c) for c in coef) for name, coef in (draft or {}).items()}
         self.no_prefill: set[str] = set(no_prefill)  # proposers whose admission costs nothing
         self.reset_corrections()
 
     def reset_corrections(self) -> None:
-        self.target_factor = [1.0, [1.0] * BUCKETS]  # global, per bucket of n
+        self.target_factor = [1.0, [1.0] * TARGET_BUCKETS]  # global, per bucket of n
         self.draft_factor: dict[str, list] = {name: [1.0, [1.0] * BUCKETS] for name in self.draft}
 
     # ------------------------------------------------------------------------------ prediction
-    def base_target_time(self, rows: int, tokens_per_row: int, context: int) -> float:
+    def fitted_target_time(self, rows: int, tokens_per_row: int, context: int) -> float:
+        """The parametric fit alone (no shape residual, no correction)."""
         c0, c1, c2, c3 = self.target
         n = rows * tokens_per_row
         return max(1e-6, c0 + c1 * max(0, n - self.knee) + c2 * n + c3 * rows * context)
+
+    def base_target_time(self, rows: int, tokens_per_row: int, context: int) -> float:
+        """The fit times the profile's shape residual at n (what the corrections multiply)."""
+        fitted = self.fitted_target_time(rows, tokens_per_row, context)
+        return fitted * self.shape.get(rows * tokens_per_row, 1.0)
 
     def base_draft_time(self, proposer: str, rows: int, context: int) -> float:
         d0, d1, d2 = self.draft.get(proposer, (0.0, 0.0, 0.0))
@@ -121,7 +156,9 @@ class FittedCostModel:
     def target_time(self, rows: int, tokens_per_row: int, context: int) -> float:
         g, buckets = self.target_factor
         return (
-            self.base_target_time(rows, tokens_per_row, context) * g * buckets[_bucket(rows * tokens_per_row)]
+            self.base_target_time(rows, tokens_per_row, context)
+            * g
+            * buckets[_target_bucket(rows * tokens_per_row)]
         )
 
     def draft_time(self, proposer: str, rows: int, context: int) -> float:
@@ -150,7 +187,8 @@ class FittedCostModel:
 
     # ------------------------------------------------------------------------------------- fit
     def fit(self, samples: Sequence[TargetSample]) -> FittedCostModel:
-        """Fit the target's coefficients and knee to profiled samples; resets its corrections."""
+        """Fit the target's coefficients, knee and shape residual to profiled samples; resets its
+        corrections."""
         data = np.asarray([s for s in samples if s[3] > 0], dtype=float).reshape(-1, 4)
         if len(data) < 4:
             raise ValueError(f"cost model fit needs >= 4 target samples with seconds > 0, got {len(data)}")
@@ -166,7 +204,13 @@ class FittedCostModel:
                 best = (error, knee, coef)
         _, self.knee, coef = best  # type: ignore[misc]
         self.target = tuple(float(c) for c in coef)
-        self.target_factor = [1.0, [1.0] * BUCKETS]
+        # Shape residual per n: the geometric mean of measured / fitted over the samples at that n.
+        logs: dict[int, list[float]] = {}
+        for r, t, c, seconds in data:
+            n = int(r * t)
+            logs.setdefault(n, []).append(math.log(seconds / self.fitted_target_time(int(r), int(t), int(c))))
+        self.shape = {n: math.exp(sum(v) / len(v)) for n, v in sorted(logs.items())}
+        self.target_factor = [1.0, [1.0] * TARGET_BUCKETS]
         return self
 
     def fit_draft(self, proposer: str, samples: Sequence[DraftSample]) -> FittedCostModel:
@@ -196,7 +240,7 @@ class FittedCostModel:
         """A measured target forward; moves the prediction for its shape towards it."""
         if rows > 0 and tokens_per_row > 0 and seconds > 0 and math.isfinite(seconds):
             base = self.base_target_time(rows, tokens_per_row, context)
-            self._correct(self.target_factor, _bucket(rows * tokens_per_row), base, seconds)
+            self._correct(self.target_factor, _target_bucket(rows * tokens_per_row), base, seconds)
 
     def observe_draft(self, proposer: str, rows: int, context: int, seconds: float) -> None:
         """A measured single-token draft step; an unknown proposer starts as constant-per-step."""
@@ -262,9 +306,10 @@ class FittedCostModel:
     def to_dict(self) -> dict:
         """JSON-able coefficients and corrections (cached per (hardware, model) in shared stats)."""
         return {
-            "version": 1,
+            "version": VERSION,
             "knee": self.knee,
             "target": list(self.target),
+            "shape": {str(n): f for n, f in sorted(self.shape.items())},
             "draft": {name: list(coef) for name, coef in self.draft.items()},
             "no_prefill": sorted(self.no_prefill),
             "target_factor": [self.target_factor[0], list(self.target_factor[1])],
@@ -273,12 +318,19 @@ class FittedCostModel:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> FittedCostModel:
-        if data.get("version") != 1:
-            raise ValueError(f"unsupported cost model version {data.get('version')!r}")
-        model = cls(data["target"], data["knee"], data.get("draft", {}), data.get("no_prefill", ()))
+        """Read ``to_dict``'s form. Version 1 (no shape residual, 8 log2 target buckets) still
+        loads: its coefficients and global factor as they were, its target buckets reset."""
+        version = data.get("version")
+        if version not in (1, VERSION):
+            raise ValueError(f"unsupported cost model version {version!r}")
+        shape = {int(n): float(f) for n, f in data.get("shape", {}).items()}
+        model = cls(data["target"], data["knee"], data.get("draft", {}), data.get("no_prefill", ()), shape)
         if "target_factor" in data:
             g, buckets = data["target_factor"]
-            model.target_factor = [float(g), [float(b) for b in buckets]]
+            if version == VERSION and len(buckets) == TARGET_BUCKETS:
+                model.target_factor = [float(g), [float(b) for b in buckets]]
+            else:
+                model.target_factor = [float(g), [1.0] * TARGET_BUCKETS]
         for name, (g, buckets) in data.get("draft_factor", {}).items():
             if name in model.draft:
                 model.draft_factor[name] = [float(g), [float(b) for b in buckets]]

@@ -27,8 +27,8 @@ Search (deterministic, O(K * 2^P * B * P) with K <= max depth, P <= 3 proposers)
    option of S (at depth min(K, its cap)) or plain that is best for it, weighing seconds by the
    all-plain rate (its own prefill and its marginal draft rows); the plan's exact objective is kept
    if it is the best so far (K = 0, all plain, is the first candidate). Widths stop early once
-   every request's best tokens over the target forward alone cannot beat the best plan (the
-   forward's time does not shrink as the width grows);
+   every request's best tokens over the cheapest target forward of that width or wider cannot
+   beat the best plan;
 2. local search on the best plan: move single requests to plain or to another proposer, then lower
    each proposer's depth, while the exact objective improves.
 It goes to plain by itself when the forward is compute-bound (heavy batch), acceptance is low, few
@@ -191,10 +191,15 @@ class GoodputPolicy:
         baseline = _Plan(s, [s.option(i, (), 0, rate) for i in range(s.rows)])  # plain, but forced rows
         best, best_value = baseline, baseline.value() * (1.0 + self.margin)
         # No plan of width >= K beats best_value if even every request's best possible tokens over
-        # the target forward alone (which grows with the width) do not: the search stops there.
+        # the cheapest target forward of width >= K do not: the search stops there. (The cheapest,
+        # not the one at K: a forward's time is not monotone in its width, see policies.cost_model.)
         ceiling = sum(max((t[-1] for t in tokens.values()), default=1.0) for tokens in s.tokens)
-        for width in range(1, max(s.caps) + 1):
-            if ceiling / s.target(1 + width) <= best_value:
+        widths = range(1, max(s.caps) + 1)
+        cheapest = [s.target(1 + w) for w in widths]
+        for j in range(len(cheapest) - 2, -1, -1):
+            cheapest[j] = min(cheapest[j], cheapest[j + 1])
+        for width, floor in zip(widths, cheapest, strict=True):
+            if ceiling / floor <= best_value:
                 break
             for size in range(1, len(used) + 1):
                 for subset in combinations(used, size):

@@ -4,6 +4,11 @@ Times target forwards over the shapes of ``policies.cost_model.profile_plan()`` 
 row, at one context) and single-token draft steps of every model-based proposer, using the
 engine's free KV slots (nothing is kept: cache lengths are never advanced), and fits a
 ``FittedCostModel``. Shapes with more rows than free slots are skipped.
+
+Each shape's time is the median of ``repeats`` timings taken in rounds (every shape once per
+round, after one warm-up round), not back to back: this machine's memory bandwidth drifts from
+second to second, and the cost model keeps a residual per width (``policies.cost_model``), so a
+slow spell must not land on the timings of one width only.
 """
 
 from __future__ import annotations
@@ -20,19 +25,21 @@ from serve_app.engine.model import DecoderModel
 CONTEXT = 128  # tokens already in the cache while timing (less if the cache is shorter)
 
 
-def _median_seconds(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+def _median_seconds_in_rounds(runs: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Each run's median time over ``repeats`` rounds (one warm-up round first)."""
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(1 + max(1, repeats)):
+        for run, seen in zip(runs, times, strict=True):
+            start = time.perf_counter()
+            run()
+            if round_ > 0:
+                seen.append(time.perf_counter() - start)
+    return [sorted(seen)[len(seen) // 2] for seen in times]
 
 
-def _time_forward(model: DecoderModel, cache: KVCache, slots: list[int], width: int, repeats: int) -> float:
+def _forward(model: DecoderModel, cache: KVCache, slots: list[int], width: int) -> Callable[[], object]:
     tokens = torch.randint(0, model.cfg.vocab_size, (len(slots), width), device=model.device)
-    return _median_seconds(lambda: model.logits(model.forward(tokens, cache, slots)), repeats)
+    return lambda: model.logits(model.forward(tokens, cache, slots))
 
 
 @torch.inference_mode()
@@ -40,7 +47,7 @@ def profile_cost_model(
     target: DecoderModel,
     target_cache: KVCache,
     drafts: dict[str, tuple[DecoderModel, KVCache]],
-    repeats: int = 2,
+    repeats: int = 3,
 ) -> FittedCostModel:
     """Fit a cost model from timed forwards of ``target`` and each draft model (free slots only)."""
     widest = max(width for _, width in profile_plan())
@@ -51,11 +58,11 @@ def profile_cost_model(
         for slot in slots:
             target.forward(prefill, target_cache, [slot])
             target_cache.set_length(slot, context)
-        samples = [
-            (rows, width, context, _time_forward(target, target_cache, slots[:rows], width, repeats))
-            for rows, width in profile_plan()
-            if rows <= len(slots)
-        ]
+        shapes = [(rows, width) for rows, width in profile_plan() if rows <= len(slots)]
+        seconds = _median_seconds_in_rounds(
+            [_forward(target, target_cache, slots[:rows], width) for rows, width in shapes], repeats
+        )
+        samples = [(rows, width, context, s) for (rows, width), s in zip(shapes, seconds, strict=True)]
     finally:
         for slot in slots:
             target_cache.free(slot)
@@ -66,11 +73,11 @@ def profile_cost_model(
             for slot in draft_slots:
                 model.forward(prefill, cache, [slot])
                 cache.set_length(slot, context)
-            timed = [
-                (rows, context, _time_forward(model, cache, draft_slots[:rows], 1, repeats))
-                for rows in draft_profile_plan()
-                if rows <= len(draft_slots)
-            ]
+            counts = [rows for rows in draft_profile_plan() if rows <= len(draft_slots)]
+            seconds = _median_seconds_in_rounds(
+                [_forward(model, cache, draft_slots[:rows], 1) for rows in counts], repeats
+            )
+            timed = [(rows, context, s) for rows, s in zip(counts, seconds, strict=True)]
         finally:
             for slot in draft_slots:
                 cache.free(slot)

@@ -34,9 +34,10 @@ def test_implements_the_protocol():
 
 def test_profile_plan_is_small_and_spans_the_knee():
     plan = profile_plan()
-    assert 8 <= len(plan) <= 16
+    assert 8 <= len(plan) <= 24
     tokens = sorted({rows * tpr for rows, tpr in plan})
     assert tokens[0] == 1 and tokens[-1] >= 32
+    assert {(1, t) for t in range(1, 9)} <= set(plan)  # every width a lone request verifies
     assert {rows for rows, _ in plan} >= {1, 4, 8}
     assert draft_profile_plan()[0] == 1
     # the default model's estimate of profiling one repeat of the plan: a few seconds
@@ -145,3 +146,50 @@ def test_round_trip_through_json():
     assert copy.draft_time("draft", 3, 300) == model.draft_time("draft", 3, 300)
     with pytest.raises(ValueError, match="version"):
         FittedCostModel.from_dict({"version": 99})
+
+
+# Measured here (module docstring of policies.cost_model): one row's forward by width is not
+# monotone; two tokens cost more than one, four to six less.
+BUMPS = {1: 1.0, 2: 1.15, 3: 1.0, 4: 0.92, 5: 0.88, 6: 0.88, 7: 1.0, 8: 1.05}
+
+
+def bumpy_samples() -> list[tuple[int, int, int, float]]:
+    return [
+        (rows, tpr, 128, true_target(rows, tpr, 128) * (BUMPS.get(rows * tpr, 1.0) if rows == 1 else 1.0))
+        for rows, tpr in profile_plan()
+    ]
+
+
+def test_fit_keeps_the_measured_shape_of_each_profiled_width():
+    data = bumpy_samples()
+    model = FittedCostModel().fit(data)
+    for rows, tpr, ctx, seconds in data:
+        if rows == 1 and tpr in (2, 3, 5, 6, 7):  # n measured at one row only: reproduced exactly
+            assert model.target_time(rows, tpr, ctx) == pytest.approx(seconds, rel=1e-9)
+    assert model.target_time(1, 2, 128) > model.target_time(1, 1, 128) > model.target_time(1, 5, 128)
+    # the fitted curve alone would miss the bumps by their size
+    assert model.fitted_target_time(1, 2, 128) < 0.95 * model.target_time(1, 2, 128)
+    model.reset_corrections()  # the shape is part of the fit, not a correction
+    assert model.target_time(1, 2, 128) == pytest.approx(data[1][3], rel=1e-9)
+    copy = FittedCostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert copy.target_time(1, 5, 128) == model.target_time(1, 5, 128)
+
+
+def test_online_correction_learns_each_small_width_on_its_own():
+    model = FittedCostModel().fit(samples(noise=0.0))
+    three, five = model.target_time(1, 3, 200), model.target_time(1, 5, 200)
+    for _ in range(80):
+        model.observe_target(1, 2, 200, true_target(1, 2, 200) * 1.25)
+        model.observe_target(1, 3, 200, true_target(1, 3, 200))
+    assert model.target_time(1, 2, 200) == pytest.approx(true_target(1, 2, 200) * 1.25, rel=0.02)
+    assert model.target_time(1, 3, 200) == pytest.approx(three, rel=0.02)  # its own bucket
+    # widths not run moved only by the global factor, which both measurements share
+    assert model.target_time(1, 5, 200) / five == pytest.approx(model.target_factor[0], rel=1e-9)
+
+
+def test_a_version_1_dict_still_loads_without_its_old_buckets():
+    old = {"version": 1, "knee": 4, "target": [0.13, 0.005, 0.0, 1e-6], "draft": {"draft": [0.03, 0.0, 0.0]},
+           "target_factor": [1.2, [2.0] * 8], "draft_factor": {"draft": [1.0, [1.0] * 8]}}  # fmt: skip
+    model = FittedCostModel.from_dict(old)
+    assert model.shape == {}
+    assert model.target_time(1, 1, 0) == pytest.approx(0.13 * 1.2)  # global kept, buckets reset

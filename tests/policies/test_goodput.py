@@ -161,6 +161,32 @@ def test_search_is_near_the_brute_force_optimum():
         assert got >= 0.99 * best
 
 
+def test_a_cheap_wide_forward_after_dear_narrow_ones_is_found():
+    # One row's forward by width, shaped as measured here but exaggerated: two to five tokens
+    # cost three times one, six tokens less than one. A search that stopped at the first width
+    # whose forward is too dear (assuming monotone costs) would stay plain.
+    cost = qwen_cpu_cost()
+    cost.shape = {1: 1.0, 2: 3.0, 3: 3.0, 4: 3.0, 5: 3.0, 6: 0.7}
+    view = batch(1, ngram=0.6, proposers=("ngram",), cost=cost, max_depth=5)
+    assert goodput().decide(view) == [Decision("ngram", 5)]
+
+
+def test_search_is_near_the_brute_force_optimum_when_width_costs_are_not_monotone():
+    rng = random.Random(11)
+    options = [(None, 0)] + [(p, k) for p in ("draft", "ngram") for k in range(1, 6)]
+    for _ in range(30):
+        cost = qwen_cpu_cost()
+        cost.shape = {n: rng.uniform(0.7, 1.4) for n in range(1, 13)}
+        requests = [
+            request(f"r{i}", draft=rng.random() ** 0.5, ngram=rng.random() ** 2, left=rng.choice([20, 300]))
+            for i in range(rng.choice([1, 2]))
+        ]
+        view = step(requests, max_depth=5, cost=cost)
+        got = step_value(view, [(d.proposer, d.depth) for d in goodput(margin=0.0).decide(view)])
+        best = max(step_value(view, plan) for plan in itertools.product(options, repeat=len(requests)))
+        assert got >= 0.99 * best
+
+
 def test_decide_is_cheap_at_batch_32():
     import time
 
