@@ -28,6 +28,10 @@ class RequestView:
     acceptance: dict[str, tuple[float, ...]] = field(default_factory=dict)
     override_mode: str = "auto"  # the request's own say: "auto" | "off" | a proposer name
     override_max_depth: int | None = None  # the request's cap on depth (None = server's limit)
+    # Per proposer that can tell before drafting (a lookup, such as n-gram): how many tokens it
+    # would draft for this request now (0: it has nothing to propose). A proposer not here has no
+    # such bound. The limits cap each proposer's depth by it (``policies.limits.depth_cap``).
+    draftable: dict[str, int] = field(default_factory=dict)
 
     @property
     def context_len(self) -> int:

@@ -80,10 +80,15 @@ class _Step:
         ]
         self.tokens: list[dict[str, list[float]]] = []  # [i][p][k]: E_i(p, k)
         self.prefill: list[dict[str, list[float]]] = []  # [i][p][k]: amortised prefill seconds
+        self.proposer_caps: list[dict[str, int]] = []  # [i][p]: <= caps[i] if p can draft fewer
         for request, cap in zip(step.requests, self.caps, strict=True):
-            tokens, prefill = {}, {}
+            tokens, prefill, caps = {}, {}, {}
             for p in allowed_proposers(request, step) if cap > 0 else ():
-                tokens[p] = expected_tokens(request.acceptance.get(p, ()), cap, default)
+                caps[p] = depth_cap(request, step, limit, p)
+                if caps[p] == 0:  # nothing to propose (a lookup without a match): not an option
+                    del caps[p]
+                    continue
+                tokens[p] = expected_tokens(request.acceptance.get(p, ()), caps[p], default)
                 seconds = (
                     0.0
                     if (request.request_id, p) in admitted
@@ -92,6 +97,7 @@ class _Step:
                 prefill[p] = [seconds * e / max(1, request.tokens_left) for e in tokens[p]]
             self.tokens.append(tokens)
             self.prefill.append(prefill)
+            self.proposer_caps.append(caps)
         # Per proposer: how many requests may use it (a request's marginal draft rows, step 1).
         self.crowd = {p: sum(p in t for t in self.tokens) for p in step.proposers}
         self._target: dict[int, float] = {}
@@ -107,16 +113,20 @@ class _Step:
             self._draft[(proposer, rows)] = self.cost.draft_time(proposer, rows, self.ctx)
         return self._draft[(proposer, rows)]
 
+    def depth(self, i: int, proposer: str, width: int) -> int:
+        """Request i's depth with ``proposer`` in a plan of ``width``: min(width, its cap)."""
+        return min(width, self.proposer_caps[i][proposer])
+
     def option(self, i: int, proposers: tuple[str, ...], width: int, rate: float) -> Choice:
         """Request i's best choice among ``proposers`` at min(width, cap) and plain (search step 1)."""
         forced = self.forced[i]
         if forced is not None:
-            return (forced, max(1, min(width, self.caps[i]))) if forced in self.tokens[i] else PLAIN
+            return (forced, max(1, self.depth(i, forced, width))) if forced in self.tokens[i] else PLAIN
         best, best_value = PLAIN, 1.0
-        depth = min(width, self.caps[i])
         for p in proposers:
-            if depth <= 0 or p not in self.tokens[i]:
+            if p not in self.tokens[i]:
                 continue
+            depth = self.depth(i, p, width)
             crowd = self.crowd[p]
             marginal = depth * (self.draft(p, crowd) - (self.draft(p, crowd - 1) if crowd > 1 else 0.0))
             value = self.tokens[i][p][depth] - rate * (self.prefill[i][p][depth] + marginal)
@@ -222,7 +232,7 @@ class GoodputPolicy:
             moved = False
             for i in range(s.rows):
                 choices = [] if s.forced[i] is not None else [PLAIN]
-                choices += [(p, min(width, s.caps[i])) for p in s.tokens[i]]
+                choices += [(p, s.depth(i, p, width)) for p in s.tokens[i]]
                 for choice in choices:
                     if choice == plan.choices[i]:
                         continue

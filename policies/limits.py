@@ -9,6 +9,8 @@ For each request the policy's choice is bounded by
 - the depth cap: min(step.max_depth, the request's override_max_depth, the policy's own max_depth,
   tokens_left - 1), since the target adds one token of its own to every accepted run, a deeper
   draft is wasted work. (The engine still caps by the KV cache, which a policy cannot see.)
+  Per proposer, also what it said it can draft (``RequestView.draftable``): an n-gram lookup that
+  finds no match has nothing to propose, so choosing it would only buy a plain step.
 
 ``clamp`` is the last line of every policy's ``decide``: whatever the policy computed, what leaves
 it is within these limits, and depth 0 and proposer None always come together.
@@ -38,13 +40,18 @@ def allowed_proposers(request: RequestView, step: StepView) -> tuple[str, ...]:
     return (mode,) if mode in step.proposers else ()
 
 
-def depth_cap(request: RequestView, step: StepView, limit: int | None = None) -> int:
-    """The deepest draft allowed for ``request`` this step (0: plain only)."""
+def depth_cap(
+    request: RequestView, step: StepView, limit: int | None = None, proposer: str | None = None
+) -> int:
+    """The deepest draft allowed for ``request`` this step (0: plain only); with ``proposer``, the
+    deepest that proposer may draft (also capped by what it can draft, ``RequestView.draftable``)."""
     cap = min(step.max_depth, request.tokens_left - 1)
     if request.override_max_depth is not None:
         cap = min(cap, request.override_max_depth)
     if limit is not None:
         cap = min(cap, limit)
+    if proposer is not None and proposer in request.draftable:
+        cap = min(cap, request.draftable[proposer])
     return max(0, cap)
 
 
@@ -68,7 +75,7 @@ def clamp(decision: Decision, request: RequestView, step: StepView, limit: int |
     """``decision`` within the request's limits (see the module docstring)."""
     if decision.proposer is None or decision.proposer not in allowed_proposers(request, step):
         return Decision.plain()
-    depth = min(decision.depth, depth_cap(request, step, limit))
+    depth = min(decision.depth, depth_cap(request, step, limit, decision.proposer))
     return Decision(decision.proposer, depth) if depth > 0 else Decision.plain()
 
 

@@ -2,7 +2,8 @@
 
 A ``Trace`` is one request: its workload, prompt and output lengths, and per proposer one of
 - ``matches``: recorded per output position (``policies.traces``): a draft of k tokens starting
-  after g output tokens keeps min(matches[g], k); exact for greedy, deterministic proposers;
+  after g output tokens keeps min(matches[g], k); exact for greedy, deterministic proposers; a
+  lookup proposer also has ``draftable`` per position, passed to the policy as the engine does;
 - ``first_rejected``: accepted-run lengths per step, replayed in order and cycled (min(run, k));
 - ``accept``: conditional acceptance probabilities per position (sampled, the last one repeating).
 ``simulate`` keeps ``concurrency`` requests running (refilled
@@ -36,6 +37,7 @@ class Trace:
     accept: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # conditional, per position
     first_rejected: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # recorded runs
     matches: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # per output position
+    draftable: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # lookups, per position
 
     def proposers(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys((*self.accept, *self.first_rejected, *self.matches)))
@@ -70,6 +72,11 @@ class _Running:
         self.cursor: dict[str, int] = {}
         self.admitted: set[str] = set()
         self.streams = {p: random.Random(f"{seed}:{index}:{p}") for p in trace.accept}
+
+    def draftable(self) -> dict[str, int]:
+        """``RequestView.draftable`` at the current position (lookup proposers only)."""
+        at = self.generated
+        return {p: d[at] if at < len(d) else 0 for p, d in self.trace.draftable.items()}
 
     def accepted(self, proposer: str, depth: int) -> int:
         matches = self.trace.matches.get(proposer)
@@ -136,6 +143,7 @@ def simulate(
                 temperature=0.0,
                 workload=r.trace.workload,
                 acceptance=estimator.estimates(r.id, proposers, max_depth),
+                draftable=r.draftable(),
             )
             for r in running
         )
@@ -151,7 +159,7 @@ def simulate(
             name, depth = decision.proposer, decision.depth
             if (
                 (name is None) != (depth == 0)
-                or depth > depth_cap(view, step)
+                or depth > depth_cap(view, step, proposer=name)
                 or name not in (None, *proposers)
             ):
                 raise RuntimeError(f"{policy.name}: decision {decision} breaks the limits of {view}")
@@ -281,6 +289,12 @@ def static_policy(arm: tuple[str | None, int], max_depth: int) -> Policy:
 def replay(recorded: Sequence[object]) -> list[Trace]:
     """Simulator traces from ``policies.traces.RecordedTrace`` objects (matches per position)."""
     return [
-        Trace(t.workload, t.prompt_len, t.output_len, matches=dict(t.matches))  # type: ignore[attr-defined]
+        Trace(
+            t.workload,  # type: ignore[attr-defined]
+            t.prompt_len,  # type: ignore[attr-defined]
+            t.output_len,  # type: ignore[attr-defined]
+            matches=dict(t.matches),  # type: ignore[attr-defined]
+            draftable=dict(getattr(t, "draftable", {})),
+        )
         for t in recorded
     ]

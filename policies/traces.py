@@ -13,8 +13,15 @@ positions it skipped over follow from it: a deterministic draft continues its ow
 matches[g + j] = a - j for j = 1..a. When the whole draft was accepted (a = D) the true run may
 be longer: the values are lower bounds, harmless when policies draft at most D.
 
+Lookups. A proposer that knows before drafting how many tokens it would propose (n-gram,
+``RequestView.draftable``) also has ``draftable[g]``: its draft length at position g (0 = no match;
+then the engine never asks it, and the policy must choose something else). ``matches[g]`` is at
+most ``draftable[g]``. Recorded exactly by replaying the lookup over the request's output
+(``serve_app.bench_policies.lookup_trace``), with its matches.
+
 Files: JSON ``{"format": 1, "model_pair": ..., "cost_model": {...}, "traces": [...]}``; a trace
-is ``{"name", "workload", "prompt_len", "output_len", "matches": {proposer: [int, ...]}}``. The cost
+is ``{"name", "workload", "prompt_len", "output_len", "matches": {proposer: [int, ...]}}``, with
+``"draftable": {proposer: [int, ...]}`` for lookup proposers (absent in older files: no bound). The cost
 model is ``FittedCostModel.to_dict()`` as measured on the machine that recorded them.
 """
 
@@ -56,12 +63,16 @@ class RecordedTrace:
     prompt_len: int
     output_len: int
     matches: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    draftable: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # lookup proposers only
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "name": self.name, "workload": self.workload, "prompt_len": self.prompt_len,
             "output_len": self.output_len, "matches": {p: list(m) for p, m in self.matches.items()},
         }  # fmt: skip
+        if self.draftable:
+            data["draftable"] = {p: list(d) for p, d in self.draftable.items()}
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping) -> RecordedTrace:
@@ -69,8 +80,13 @@ class RecordedTrace:
         for p, m in matches.items():
             if any(x < 0 for x in m):
                 raise ValueError(f"trace {data.get('name')!r}: negative match length for {p!r}")
+        draftable = {str(p): tuple(int(x) for x in d) for p, d in dict(data.get("draftable", {})).items()}
+        for p, d in draftable.items():
+            m = matches.get(p, ())
+            if len(d) != len(m) or any(x > y for x, y in zip(m, d, strict=True)):
+                raise ValueError(f"trace {data.get('name')!r}: {p!r} matches exceed its draftable lengths")
         return cls(str(data["name"]), str(data["workload"]), int(data["prompt_len"]),
-                   int(data["output_len"]), matches)  # fmt: skip
+                   int(data["output_len"]), matches, draftable)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -115,6 +131,8 @@ def acceptance_priors(
     ``matches[g] > j``, so a_j = #(m > j) / #(m >= j) over every g of every trace of the class.
     Index example: matches (3, 2, 1, 0) give a_0 = 3/4, a_1 = 2/3, a_2 = 1/2. A position no draft
     reached repeats the one before it (``AcceptanceEstimator.set_prior`` pads the same way).
+    For a lookup proposer (``draftable``) only drafts it could make count, as the engine only asks
+    it then: position j is reached when ``matches[g] >= j`` and ``draftable[g] > j``.
     """
     reached: dict[tuple[str, str], list[int]] = {}
     accepted: dict[tuple[str, str], list[int]] = {}
@@ -122,8 +140,9 @@ def acceptance_priors(
         for proposer, matches in trace.matches.items():
             key = (proposer, trace.workload)
             hits = reached.setdefault(key, [0] * max_depth), accepted.setdefault(key, [0] * max_depth)
-            for m in matches:
-                for j in range(min(m + 1, max_depth)):
+            lengths = trace.draftable.get(proposer) or (max_depth,) * len(matches)
+            for m, d in zip(matches, lengths, strict=True):
+                for j in range(min(m + 1, d, max_depth)):
                     hits[0][j] += 1
                     hits[1][j] += j < m
     priors = {}

@@ -96,32 +96,72 @@ def record_traces(engine: Any, prompts: Sequence[Prompt], n: int, depth: int = R
     """Each prompt, greedy, ``n`` tokens (EOS ignored), once per proposer at ``depth``.
 
     A proposer with a draft ``model`` (the draft model) also gets its matches exactly, by teacher
-    forcing (``teacher_forced_matches``) over the output; the others (n-gram) from the recorded
-    steps (``policies.traces.matches_from_steps``).
+    forcing (``teacher_forced_matches``) over the output; a lookup proposer (n-gram) its matches
+    and draft lengths exactly by replaying the lookup over the output (``lookup_trace``, no run of
+    its own); any other from the recorded steps (``policies.traces.matches_from_steps``).
     """
+    from serve_app.engine.proposers import LookaheadProposer
     from serve_app.engine.request import SpecOverride
     from serve_app.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    lookups = [p for p, obj in engine.proposers.items() if isinstance(obj, LookaheadProposer)]
+    runs = [p for p in engine.proposers if p not in lookups] or ["off"]
     traces = []
     for prompt in prompts:
         ids = engine.encode_prompt(prompt.text, chat=prompt.chat)
-        matches, workload = {}, classify(prompt.text, None)
-        for proposer in engine.proposers:
+        matches, draftable, workload = {}, {}, classify(prompt.text, None)
+        for proposer in runs:
             steps, output, accepted, drafted = [], [], 0, 0
             for out in engine.stream(ids, params, SpecOverride(proposer, max_depth=depth)):
                 if output:  # the first output is the prefill's token
                     steps.append(StepRecord(len(output) - 1, out.step_drafted, out.step_accepted))
                     accepted, drafted = accepted + out.step_accepted, drafted + out.step_drafted
                 output += out.new_token_ids
+            if proposer == "off":
+                continue
             model = getattr(engine.proposers[proposer], "model", None)
             if model is not None and hasattr(model, "logits"):
                 matches[proposer] = teacher_forced_matches(model, ids, output)
             else:
                 matches[proposer] = matches_from_steps(steps, n - 1)
             log(f"[traces] {prompt.kind}/{prompt.name} {proposer}: accepted {accepted}/{drafted}")
-        traces.append(RecordedTrace(f"{prompt.kind}/{prompt.name}", workload, len(ids), n - 1, matches))
+        for proposer in lookups:
+            matches[proposer], draftable[proposer] = lookup_trace(
+                engine.proposers[proposer], ids, output, engine.config.max_depth
+            )
+            log(f"[traces] {prompt.kind}/{prompt.name} {proposer}: a draft at "
+                f"{sum(d > 0 for d in draftable[proposer])} of {n - 1} positions")  # fmt: skip
+        traces.append(RecordedTrace(f"{prompt.kind}/{prompt.name}", workload, len(ids), n - 1, matches,
+                                    draftable))  # fmt: skip
     return traces
+
+
+def lookup_trace(proposer: Any, prompt: Sequence[int], output: Sequence[int], depth: int
+                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:  # fmt: skip
+    """A lookup proposer's exact (matches, draftable) per output position g = 0 .. len(output) - 2:
+    what it drafts after prompt + output[:g + 1] (at most ``depth`` tokens), and how many of those
+    equal the output that follows. Runs on slot 0 of an idle engine; the proposer's state for it is
+    released afterwards."""
+    from serve_app.engine.proposers import ProposeRow
+    from serve_app.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=len(output), temperature=0.0)
+    matches, draftable = [], []
+    proposer.admit(0, list(prompt))
+    try:
+        for g in range(len(output) - 1):
+            sequence = [*prompt, *output[: g + 1]]
+            [draft] = proposer.propose([ProposeRow(0, sequence, depth, params, None)])
+            kept = 0
+            while kept < len(draft.tokens) and g + 1 + kept < len(output) and \
+                    draft.tokens[kept] == output[g + 1 + kept]:  # fmt: skip
+                kept += 1
+            matches.append(kept)
+            draftable.append(len(draft.tokens))
+    finally:
+        proposer.release(0)
+    return tuple(matches), tuple(draftable)
 
 
 def teacher_forced_matches(model: Any, prompt: Sequence[int], output: Sequence[int]) -> tuple[int, ...]:

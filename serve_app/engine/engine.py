@@ -26,12 +26,14 @@ from serve_app.engine.planner import PlannedRequest, SpeculationPlanner, StatsSi
 from serve_app.engine.profiling import profile_cost_model
 from serve_app.engine.proposers import (
     Draft,
+    LookaheadProposer,
     ModelDrafter,
     Proposer,
     ProposerContext,
     ProposeRow,
     cold_acceptance,
     create_proposer,
+    draftable,
     needs_prefill,
 )
 from serve_app.engine.request import Completion, Request, RequestOutput, SpecOverride
@@ -268,6 +270,19 @@ class SpecEngine:
             steps[name] = max(len(drafts[i].tokens) for i in indices)
         return drafts, seconds, steps
 
+    def _lookahead(self, request: Request) -> dict[str, int]:
+        """What each lookahead proposer (n-gram) would draft for ``request`` now; it is admitted
+        for the request first (free: it indexes the prompt), so its state is released with it."""
+        if request.speculation.mode == "off":
+            return {}
+        lookups = {n: p for n, p in self.proposers.items() if isinstance(p, LookaheadProposer)}
+        for name in lookups.keys() - request.proposers_admitted:
+            lookups[name].admit(request.slot, request.prompt_ids + request.output_ids[:-1])
+            request.proposers_admitted.add(name)
+        row = ProposeRow(request.slot, request.prompt_ids + request.output_ids, self.config.max_depth,
+                         request.params, request.generator)  # fmt: skip
+        return draftable(lookups, row)
+
     def _planned(self, request: Request) -> PlannedRequest:
         return PlannedRequest(
             request_id=request.request_id,
@@ -278,6 +293,7 @@ class SpecEngine:
             mode=request.speculation.mode,
             max_depth=request.speculation.max_depth,
             room=self.config.max_seq_len - request.num_tokens,
+            draftable=self._lookahead(request),
         )
 
     def _decode(self, requests: list[Request]) -> list[RequestOutput]:

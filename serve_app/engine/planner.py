@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from policies import AcceptanceEstimator, FittedCostModel, Policy, classify
@@ -48,6 +48,7 @@ class PlannedRequest:
     mode: str
     max_depth: int | None
     room: int  # draft tokens the KV cache can still take for this request
+    draftable: Mapping[str, int] = field(default_factory=dict)  # lookahead proposers' draft lengths
 
 
 class SpeculationPlanner:
@@ -135,6 +136,7 @@ class SpeculationPlanner:
             acceptance=self.estimator.estimates(r.request_id, self.proposers, self.max_depth),
             override_mode=mode,
             override_max_depth=r.max_depth,
+            draftable=dict(r.draftable),
         )
 
     # ----------------------------------------------------------------------------- learning

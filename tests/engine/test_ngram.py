@@ -177,3 +177,17 @@ def test_options():
     for bad in ({"max_ngram": 0}, {"min_ngram": 5}, {"max_ngram": "4"}, {"min_ngram": True}):
         with pytest.raises(ValueError, match="ngram"):
             NgramProposer.from_options(bad)
+
+
+def test_lookahead_says_what_propose_will_draft():
+    rng = random.Random(3)
+    proposer, reference_proposer = NgramProposer(3, 1), NgramProposer(3, 1)
+    tokens = [rng.randrange(6) for _ in range(5)]
+    proposer.admit(0, tokens[:-1])
+    reference_proposer.admit(0, tokens[:-1])
+    for _ in range(60):
+        depth = rng.randrange(0, 6)
+        ahead = proposer.lookahead(row(tokens, depth))
+        assert ahead == len(propose_one(proposer, tokens, depth)) == len(propose_one(reference_proposer,
+                                                                                     tokens, depth))
+        tokens.append(rng.randrange(6))

@@ -169,6 +169,27 @@ def test_mixed_proposers_and_plain_in_one_batch(target_hf, tiny_tokenizer, promp
         assert (result.spec_stats.drafted == 0) == (mode == "off")
 
 
+def test_goodput_with_a_lookup_proposer_stays_lossless_and_releases_it(
+    target_hf, tiny_tokenizer, prompts, references
+) -> None:
+    """goodput sees what n-gram can draft (its lookahead) for every auto request; the lookup is
+    admitted for each request it looked at and released with it, whether it drafted or not."""
+    from dataclasses import replace
+
+    proposers = {"draft": draft_proposer(target_hf, 3), "ngram": NgramProposer(3, 1)}
+    engine = make_engine(target_hf, tiny_tokenizer, proposers, "draft", 4, slots=3)
+    engine = SpecEngine(engine.model, tiny_tokenizer, replace(engine.config, policy="goodput"), [0], proposers)
+    seen: list[dict[str, int]] = []
+    decide = engine.planner.decide
+    engine.planner.decide = lambda rows, queue: (seen.extend(r.draftable for r in rows), decide(rows, queue))[1]
+    overrides = [SpecOverride(mode="off" if i == 1 else "auto") for i in range(len(prompts))]
+    results = engine.generate(prompts, GREEDY, overrides)
+    assert_matches_reference(results, prompts, references)
+    assert seen and all(set(d) <= {"ngram"} for d in seen) and {} in seen  # "off" rows: no lookup
+    assert any(d.get("ngram", 0) > 0 for d in seen) and any(d.get("ngram") == 0 for d in seen)
+    assert not proposers["ngram"]._slots and engine.cache.num_free == 3
+
+
 def test_stop_inside_accepted_run_cuts_like_plain(target_hf, tiny_tokenizer, prompts, references) -> None:
     """EOS-like stop ids and max_tokens that fall inside an accepted run cut exactly there."""
     plain = make_engine(target_hf, tiny_tokenizer, {}, None, 1)

@@ -26,6 +26,7 @@ def request(
     max_depth: int | None = None,
     workload: str = "code",
     positions: int = 16,
+    draftable: dict[str, int] | None = None,
 ) -> RequestView:
     return RequestView(
         request_id=rid,
@@ -37,6 +38,7 @@ def request(
         acceptance={"draft": (draft,) * positions, "ngram": (ngram,) * positions},
         override_mode=mode,
         override_max_depth=max_depth,
+        draftable=dict(draftable or {}),
     )
 
 

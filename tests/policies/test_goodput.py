@@ -161,6 +161,16 @@ def test_search_is_near_the_brute_force_optimum():
         assert got >= 0.99 * best
 
 
+def test_a_lookup_without_a_match_leaves_the_request_to_the_draft_model():
+    # Free n-gram with a high estimate wins while it has a match; without one (draftable 0) the
+    # draft model drafts instead of a wasted n-gram step; a short match caps the n-gram's depth.
+    assert goodput().decide(batch(1, draft=0.8, ngram=0.9)) == [Decision("ngram", 8)]
+    [d] = goodput().decide(batch(1, draft=0.8, ngram=0.9, draftable={"ngram": 0}))
+    assert d.proposer == "draft" and d.depth >= 3
+    [d] = goodput().decide(batch(1, draft=0.1, ngram=0.9, draftable={"ngram": 2}))
+    assert d == Decision("ngram", 2)
+
+
 def test_a_cheap_wide_forward_after_dear_narrow_ones_is_found():
     # One row's forward by width, shaped as measured here but exaggerated: two to five tokens
     # cost three times one, six tokens less than one. A search that stopped at the first width

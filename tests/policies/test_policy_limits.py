@@ -23,7 +23,7 @@ def check(decisions, view) -> None:
     for d, r in zip(decisions, view.requests, strict=True):
         assert isinstance(d, Decision)
         assert (d.proposer is None) == (d.depth == 0), d
-        assert d.depth <= depth_cap(r, view), (d, r)
+        assert d.depth <= depth_cap(r, view, proposer=d.proposer), (d, r)
         assert d.proposer is None or d.proposer in allowed_proposers(r, view), (d, r)
 
 
@@ -43,6 +43,7 @@ def test_random_steps_stay_within_limits(name):
                 mode=rng.choice(["auto", "auto", "off", "draft", "ngram", "medusa"]),
                 max_depth=rng.choice([None, None, 0, 1, 3]),
                 positions=rng.choice([0, 3, 16]),
+                draftable=rng.choice([None, {"ngram": 0}, {"ngram": rng.randrange(1, 6)}]),
             )
             for i in range(rng.choice([1, 1, 2, 4, 8, 32]))
         ]
@@ -119,3 +120,24 @@ def test_limit_helpers():
     assert clamp(Decision("draft", 7), r_auto, view) == Decision("draft", 3)
     assert clamp(Decision("draft", 0), r_auto, view) == Decision.plain()
     assert clamp(Decision("draft", 2), r_forced, view) == Decision.plain()
+
+
+@pytest.mark.parametrize("name", SPECULATING)
+def test_a_lookup_with_nothing_to_propose_is_never_chosen(name):
+    # n-gram said it has no match (draftable 0): forcing it decodes plain, auto never picks it.
+    forced = batch(3, draft=0.9, ngram=0.99, mode="ngram", draftable={"ngram": 0})
+    assert build(name).decide(forced) == [Decision.plain()] * 3
+    short = batch(2, draft=0.1, ngram=0.99, mode="ngram", draftable={"ngram": 2})
+    assert all(d.depth <= 2 for d in build(name).decide(short))
+    auto = batch(2, draft=0.9, ngram=0.99, draftable={"ngram": 0})
+    assert all(d.proposer != "ngram" for d in build(name).decide(auto))
+
+
+def test_depth_cap_per_proposer():
+    view = step([request(left=50, draftable={"ngram": 3})], max_depth=8)
+    r = view.requests[0]
+    assert depth_cap(r, view) == 8 and depth_cap(r, view, proposer="draft") == 8
+    assert depth_cap(r, view, proposer="ngram") == 3
+    assert clamp(Decision("ngram", 6), r, view) == Decision("ngram", 3)
+    gone = step([request(draftable={"ngram": 0})])
+    assert clamp(Decision("ngram", 6), gone.requests[0], gone) == Decision.plain()

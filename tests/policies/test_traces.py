@@ -36,6 +36,30 @@ def test_acceptance_priors_pool_the_conditional_rates_per_proposer_and_workload(
     assert set(priors) == {("draft", "code"), ("ngram", "code"), ("draft", "prose")}
 
 
+def test_a_lookup_s_priors_count_only_the_drafts_it_could_make():
+    # n-gram with draft lengths: no match at positions 1 and 2, a 2-token match at 0 (kept 1)
+    trace = RecordedTrace("code/a", "code", 5, 4, {"ngram": (1, 0, 0, 2)}, {"ngram": (2, 0, 0, 3)})
+    priors = acceptance_priors([trace], 3)
+    # position 0 reached at g = 0 and 3 (accepted both); position 1 at 0 (rejected) and 3 (kept);
+    # position 2 only at g = 3 (m = 2 reaches it, d = 3 > 2): rejected
+    assert priors[("ngram", "code")] == pytest.approx((1.0, 0.5, 0.0))
+    with pytest.raises(ValueError, match="exceed"):
+        RecordedTrace.from_dict({"name": "x", "workload": "code", "prompt_len": 1, "output_len": 2,
+                                 "matches": {"ngram": [2, 0]}, "draftable": {"ngram": [1, 0]}})  # fmt: skip
+
+
+def test_the_simulator_gives_the_policy_what_a_lookup_can_draft():
+    # n-gram matches everywhere it can draft, but can draft only every other position
+    lengths = tuple(4 if g % 2 == 0 else 0 for g in range(40))
+    matches = tuple(min(4, d) for d in lengths)
+    trace = Trace("code", 10, 40, matches={"ngram": matches, "draft": (2,) * 40}, draftable={"ngram": lengths})
+    cost = qwen_cpu_cost()
+    forced = simulate(create_policy("static", PolicyConfig("ngram", 4, 8)), [trace], cost, 1)
+    assert forced.drafted["ngram"] == forced.accepted["ngram"] > 0  # never drafted where it could not
+    goodput = simulate(create_policy("goodput", PolicyConfig(max_depth=8)), [trace], cost, 1)
+    assert goodput.drafted["draft"] > 0 and goodput.drafted["ngram"] > 0
+
+
 def test_priors_reach_the_simulated_policy():
     # A cold estimator (default 0.7, decaying) drafts shallower than one told the class accepts all.
     trace = [Trace("code", 100, 96, {"draft": (1.0,)})] * 2
@@ -47,7 +71,8 @@ def test_priors_reach_the_simulated_policy():
 
 
 def test_trace_set_round_trips(tmp_path):
-    traces = (RecordedTrace("code/a", "code", 12, 5, {"draft": (2, 1, 0, 4, 3)}),)
+    traces = (RecordedTrace("code/a", "code", 12, 5, {"draft": (2, 1, 0, 4, 3), "ngram": (0, 1, 0, 0, 0)},
+                            {"ngram": (0, 3, 1, 0, 2)}),)  # fmt: skip
     original = TraceSet("t+d", traces, {"target": [0.1, 0, 0, 0], "knee": 4, "draft": {}}, "notes")
     original.save(tmp_path / "t.json")
     assert TraceSet.load(tmp_path / "t.json") == original

@@ -76,6 +76,24 @@ def test_teacher_forced_matches_agree_with_what_drafting_really_kept(engine) -> 
     assert 0 in values and any(m > 1 for m in values)  # the draft agrees sometimes, not always
 
 
+def test_lookup_traces_replay_what_the_ngram_really_drafts_and_keeps(engine) -> None:
+    traces = record_traces(engine, PROMPTS, 24, depth=8, log=lambda _: None)
+    for prompt, trace in zip(PROMPTS, traces, strict=True):
+        ids = engine.encode_prompt(prompt.text)
+        matches, lengths = trace.matches["ngram"], trace.draftable["ngram"]
+        assert len(lengths) == len(matches) == trace.output_len and "draft" not in trace.draftable
+        # forced n-gram at depth 8 drafts exactly where the trace says it can and keeps its matches
+        out = engine.generate([ids], _greedy(24), [_override("ngram", 8)])[0]
+        g, kept_total, drafted_total = 0, 0, 0
+        while g < trace.output_len:
+            depth = min(lengths[g], 8, trace.output_len - g - 1)
+            kept = min(matches[g], depth)
+            g, kept_total, drafted_total = g + kept + 1, kept_total + kept, drafted_total + depth
+        assert (out.spec_stats.drafted, out.spec_stats.accepted) == (drafted_total, kept_total)
+    assert any(d == 0 for t in traces for d in t.draftable["ngram"])  # a lookup often finds nothing
+    assert not engine.proposers["ngram"]._slots  # the replay released its slot
+
+
 def _greedy(n: int):
     from serve_app.engine.sampling import SamplingParams
 

@@ -6,7 +6,15 @@ Importing this package registers the built-in proposers (each module registers i
 from serve_app.engine.proposers import draft_model as _draft_model  # noqa: F401  (registers "draft")
 from serve_app.engine.proposers import ngram as _ngram  # noqa: F401  (registers "ngram")
 from serve_app.engine.proposers import self_spec as _self_spec  # noqa: F401  (registers "self")
-from serve_app.engine.proposers.base import Draft, ModelDrafter, Proposer, ProposeRow, needs_prefill
+from serve_app.engine.proposers.base import (
+    Draft,
+    LookaheadProposer,
+    ModelDrafter,
+    Proposer,
+    ProposeRow,
+    draftable,
+    needs_prefill,
+)
 from serve_app.engine.proposers.registry import (
     ProposerContext,
     ProposerFactory,
@@ -18,6 +26,7 @@ from serve_app.engine.proposers.registry import (
 
 __all__ = [
     "Draft",
+    "LookaheadProposer",
     "ModelDrafter",
     "ProposeRow",
     "Proposer",
@@ -25,6 +34,7 @@ __all__ = [
     "ProposerFactory",
     "cold_acceptance",
     "create_proposer",
+    "draftable",
     "needs_prefill",
     "register_proposer",
     "registered_proposers",

@@ -72,6 +72,23 @@ class ModelDrafter(Protocol):
     cache: Any  # the KVCache that ``model.forward`` writes
 
 
+@runtime_checkable
+class LookaheadProposer(Protocol):
+    """A proposer whose draft is a cheap deterministic lookup (n-gram) can say, before the step,
+    how many tokens it would draft for a row: ``lookahead(row)`` == ``len(propose([row])[0].tokens)``
+    without changing any state that ``propose`` would not. The engine passes it to the policy
+    (``RequestView.draftable``), so a lookup without a match is never chosen: it would buy only
+    a plain step, where the request's other proposer could have drafted."""
+
+    def lookahead(self, row: ProposeRow) -> int:
+        """Tokens ``propose`` would draft for ``row`` now (at most ``row.depth``)."""
+
+
+def draftable(proposers: dict[str, object], row: ProposeRow) -> dict[str, int]:
+    """``RequestView.draftable`` for one row: each lookahead proposer's draft length."""
+    return {name: p.lookahead(row) for name, p in proposers.items() if isinstance(p, LookaheadProposer)}
+
+
 def needs_prefill(proposer: object) -> bool:
     """Whether admitting a request to ``proposer`` costs a prefill (the draft model reads the whole
     sequence into its own cache). A proposer that drafts from state the target already holds says

@@ -84,6 +84,11 @@ class NgramProposer:
     def propose(self, rows: list[ProposeRow]) -> list[Draft]:
         return [Draft(tokens=self._propose_row(row)) for row in rows]
 
+    def lookahead(self, row: ProposeRow) -> int:
+        """How many tokens ``propose`` would draft for ``row`` (0: no match); the same lookup
+        (it extends the slot's index as ``propose`` would, which ``propose`` then reuses)."""
+        return len(self._propose_row(row))
+
     def commit(self, slot: int, num_accepted: int) -> None:
         """Nothing to do: the index follows ``token_ids``, which holds only verified tokens."""
 
