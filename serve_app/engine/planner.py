@@ -152,9 +152,11 @@ class SpeculationPlanner:
         draft_steps: dict[str, int],
         step_seconds: float,
     ) -> None:
-        # A proposer asked for a draft that proposed nothing (an n-gram with no match) gave what a
-        # first-position rejection gives: one token. Counted so, its estimate stays honest; else a
-        # free proposer that rarely matches looks like free tokens at the default acceptance.
+        # A proposer asked for a draft that proposed nothing gave what a first-position rejection
+        # gives: one token. Counted so, its estimate stays honest; else a free proposer that
+        # rarely proposes looks like free tokens at the default acceptance. (n-gram says ahead
+        # whether it has a match, RequestView.draftable, and is not asked when it has none: its
+        # estimates are its acceptance given a match.)
         asked = [d.proposer is not None and d.depth > 0 for d in decisions]
         effective = [n if n or not a else 1 for n, a in zip(drafted, asked, strict=True)]
         outcomes = tuple(

@@ -104,8 +104,9 @@ def test_empty_drafts_count_as_rejections() -> None:
 
 
 def test_fresh_engine_starts_ngram_from_its_cold_acceptance(target_hf, tiny_tokenizer, prompts) -> None:
-    """Without shared statistics an n-gram lookup is not assumed to be a 0.7-accepting draft (it
-    mostly finds nothing); the draft model keeps the estimator's default; shared priors win."""
+    """Without shared statistics an n-gram lookup starts from its registered acceptance given a
+    match, not the estimator's generic default; the draft model keeps the default; shared priors
+    win."""
     from serve_app.engine.proposers.ngram import COLD_ACCEPTANCE
 
     sink = EngineStatsSink(SharedStats(StatsSettings(redis_url=None), replica_id="test"))

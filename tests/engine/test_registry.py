@@ -111,10 +111,22 @@ def test_cold_acceptance_is_what_a_proposer_registered():
     from serve_app.engine.proposers import cold_acceptance
     from serve_app.engine.proposers.ngram import COLD_ACCEPTANCE
 
-    # ngram declares its own (a lookup mostly finds nothing at position 0); the draft model and
-    # unknown names leave it to the estimator's default.
+    # ngram declares its own (its acceptance given a match, pooled over the shipped traces); the
+    # draft model and unknown names leave it to the estimator's default.
     assert cold_acceptance(["draft", "ngram", "no-such"]) == {"ngram": COLD_ACCEPTANCE}
-    assert COLD_ACCEPTANCE[0] < 0.3 < min(COLD_ACCEPTANCE[1:])
+
+
+def test_ngram_cold_acceptance_is_the_shipped_traces_pooled_acceptance_given_a_match():
+    from dataclasses import replace
+
+    from policies.traces import TraceSet, acceptance_priors
+    from serve_app.bench_policies import DEFAULT_TRACES
+    from serve_app.engine.proposers.ngram import COLD_ACCEPTANCE
+
+    traces = TraceSet.load(DEFAULT_TRACES).traces
+    assert all("ngram" in t.draftable for t in traces)  # recorded with its lookahead
+    pooled = acceptance_priors([replace(t, workload="*") for t in traces], len(COLD_ACCEPTANCE))
+    assert pooled[("ngram", "*")] == pytest.approx(COLD_ACCEPTANCE, abs=0.006)
 
 
 @pytest.mark.parametrize("rates", [(), (0.5, 1.5), (-0.1,)])

@@ -178,10 +178,16 @@ def test_goodput_with_a_lookup_proposer_stays_lossless_and_releases_it(
 
     proposers = {"draft": draft_proposer(target_hf, 3), "ngram": NgramProposer(3, 1)}
     engine = make_engine(target_hf, tiny_tokenizer, proposers, "draft", 4, slots=3)
-    engine = SpecEngine(engine.model, tiny_tokenizer, replace(engine.config, policy="goodput"), [0], proposers)
+    config = replace(engine.config, policy="goodput")
+    engine = SpecEngine(engine.model, tiny_tokenizer, config, [0], proposers)
     seen: list[dict[str, int]] = []
     decide = engine.planner.decide
-    engine.planner.decide = lambda rows, queue: (seen.extend(r.draftable for r in rows), decide(rows, queue))[1]
+
+    def watch(rows, queue):
+        seen.extend(r.draftable for r in rows)
+        return decide(rows, queue)
+
+    engine.planner.decide = watch
     overrides = [SpecOverride(mode="off" if i == 1 else "auto") for i in range(len(prompts))]
     results = engine.generate(prompts, GREEDY, overrides)
     assert_matches_reference(results, prompts, references)

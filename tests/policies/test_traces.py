@@ -52,7 +52,8 @@ def test_the_simulator_gives_the_policy_what_a_lookup_can_draft():
     # n-gram matches everywhere it can draft, but can draft only every other position
     lengths = tuple(4 if g % 2 == 0 else 0 for g in range(40))
     matches = tuple(min(4, d) for d in lengths)
-    trace = Trace("code", 10, 40, matches={"ngram": matches, "draft": (2,) * 40}, draftable={"ngram": lengths})
+    trace = Trace("code", 10, 40, matches={"ngram": matches, "draft": (2,) * 40},
+                  draftable={"ngram": lengths})  # fmt: skip
     cost = qwen_cpu_cost()
     forced = simulate(create_policy("static", PolicyConfig("ngram", 4, 8)), [trace], cost, 1)
     assert forced.drafted["ngram"] == forced.accepted["ngram"] > 0  # never drafted where it could not

@@ -31,14 +31,12 @@ from serve_app.engine.proposers.registry import ProposerContext, register_propos
 DEFAULT_MAX_NGRAM = 4
 DEFAULT_MIN_NGRAM = 2
 # What a policy assumes before any statistics (``register_proposer``'s ``cold_acceptance``): the
-# conditional acceptance per draft position pooled over every request of the shipped Qwen traces
-# (``policies/traces``, all workloads). Position 0 is low because a lookup mostly finds nothing (the
-# planner counts an empty draft as a first-position rejection); once a span matches, each copied
-# token holds at about 0.6. The generic default (0.7 from position 0) made a fresh server spend
-# its first steps of every request on free but empty lookups: in the policy simulator without
-# shared priors, goodput at load 1 fell to 0.88-0.99x the best static depth per request, and
-# to 0.91-1.05x with these rates.
-COLD_ACCEPTANCE = (0.13, 0.56, 0.62, 0.66, 0.63, 0.62, 0.60)
+# conditional acceptance per draft position GIVEN A MATCH, pooled over every request of the shipped
+# Qwen traces (``policies/traces``, all workloads; ``tests/engine/test_registry.py`` checks it).
+# A lookup without a match is never asked to draft (``lookahead``), so this is what the estimator
+# learns. (Before lookahead, empty lookups counted as first-position rejections and position 0
+# was 0.13; the generic default of 0.7 from position 0 is too high for the first copied token.)
+COLD_ACCEPTANCE = (0.50, 0.61, 0.62, 0.70, 0.67, 0.71, 0.71)
 
 
 @dataclass
