@@ -6,7 +6,7 @@ engine's free KV slots (nothing is kept: cache lengths are never advanced), and 
 ``FittedCostModel``. Shapes with more rows than free slots are skipped.
 
 Each shape's time is the median of ``repeats`` timings taken in rounds (every shape once per
-round, after one warm-up round), not back to back: this machine's memory bandwidth drifts from
+round), not back to back: this machine's memory bandwidth drifts from
 second to second, and the cost model keeps a residual per width (``policies.cost_model``), so a
 slow spell must not land on the timings of one width only.
 """
@@ -26,14 +26,16 @@ CONTEXT = 128  # tokens already in the cache while timing (less if the cache is 
 
 
 def _median_seconds_in_rounds(runs: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Each run's median time over ``repeats`` rounds (one warm-up round first)."""
+    """Each run's median time over ``repeats`` rounds, after one warm-up call of the first run (a
+    shape's first call, which builds its kernels, is one slow timing of three: the median drops it)."""
+    if runs:
+        runs[0]()
     times: list[list[float]] = [[] for _ in runs]
-    for round_ in range(1 + max(1, repeats)):
+    for _ in range(max(1, repeats)):
         for run, seen in zip(runs, times, strict=True):
             start = time.perf_counter()
             run()
-            if round_ > 0:
-                seen.append(time.perf_counter() - start)
+            seen.append(time.perf_counter() - start)
     return [sorted(seen)[len(seen) // 2] for seen in times]
 
 
