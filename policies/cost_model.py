@@ -52,8 +52,8 @@ ALPHA = 0.1  # online step (in log space) per measurement
 CLIP = 2.0  # a measurement's ratio to the prediction is clipped to [1/CLIP, CLIP]
 FACTOR_BOUNDS = (0.1, 10.0)
 BUCKETS = 8  # draft: log2 buckets of rows
-SMALL_N = 16  # target: each n <= SMALL_N its own bucket, then log2 buckets up to 2**(LOG_N + 4)
-LOG_N = 4
+SMALL_N = 16  # target: each n <= SMALL_N its own bucket, then LOG_N log2 buckets:
+LOG_N = 4  # 17-32, 33-64, 65-128, above
 TARGET_BUCKETS = SMALL_N + LOG_N
 VERSION = 2
 # Used until ``fit`` runs: the fit of the Qwen2.5-Coder-1.5B bf16 forwards measured at ctx 200 on

@@ -84,11 +84,11 @@ class _Step:
         for request, cap in zip(step.requests, self.caps, strict=True):
             tokens, prefill, caps = {}, {}, {}
             for p in allowed_proposers(request, step) if cap > 0 else ():
-                caps[p] = depth_cap(request, step, limit, p)
-                if caps[p] == 0:  # nothing to propose (a lookup without a match): not an option
-                    del caps[p]
+                proposer_cap = depth_cap(request, step, limit, p)
+                if proposer_cap == 0:  # nothing to propose (a lookup without a match): not an option
                     continue
-                tokens[p] = expected_tokens(request.acceptance.get(p, ()), caps[p], default)
+                caps[p] = proposer_cap
+                tokens[p] = expected_tokens(request.acceptance.get(p, ()), proposer_cap, default)
                 seconds = (
                     0.0
                     if (request.request_id, p) in admitted

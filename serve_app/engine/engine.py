@@ -33,7 +33,6 @@ from serve_app.engine.proposers import (
     ProposeRow,
     cold_acceptance,
     create_proposer,
-    draftable,
     needs_prefill,
 )
 from serve_app.engine.request import Completion, Request, RequestOutput, SpecOverride
@@ -93,6 +92,8 @@ class SpecEngine:
             raise ValueError("the KV cache passed in does not match max_slots / max_seq_len")
         self.scheduler = Scheduler(self.cache, config.max_waiting)
         self.proposers: dict[str, Proposer] = dict(proposers or {})
+        # Proposers that say their draft length before the step (n-gram): asked for every request.
+        self._lookups = {n: p for n, p in self.proposers.items() if isinstance(p, LookaheadProposer)}
         if config.spec_method is not None and config.spec_method not in self.proposers:
             raise ValueError(
                 f"speculation method {config.spec_method!r} has no proposer loaded "
@@ -273,15 +274,14 @@ class SpecEngine:
     def _lookahead(self, request: Request) -> dict[str, int]:
         """What each lookahead proposer (n-gram) would draft for ``request`` now; it is admitted
         for the request first (free: it indexes the prompt), so its state is released with it."""
-        if request.speculation.mode == "off":
+        if not self._lookups or request.speculation.mode == "off":
             return {}
-        lookups = {n: p for n, p in self.proposers.items() if isinstance(p, LookaheadProposer)}
-        for name in lookups.keys() - request.proposers_admitted:
-            lookups[name].admit(request.slot, request.prompt_ids + request.output_ids[:-1])
+        for name in self._lookups.keys() - request.proposers_admitted:
+            self._lookups[name].admit(request.slot, request.prompt_ids + request.output_ids[:-1])
             request.proposers_admitted.add(name)
         row = ProposeRow(request.slot, request.prompt_ids + request.output_ids, self.config.max_depth,
                          request.params, request.generator)  # fmt: skip
-        return draftable(lookups, row)
+        return {name: proposer.lookahead(row) for name, proposer in self._lookups.items()}
 
     def _planned(self, request: Request) -> PlannedRequest:
         return PlannedRequest(

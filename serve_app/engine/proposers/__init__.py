@@ -12,7 +12,6 @@ from serve_app.engine.proposers.base import (
     ModelDrafter,
     Proposer,
     ProposeRow,
-    draftable,
     needs_prefill,
 )
 from serve_app.engine.proposers.registry import (
@@ -34,7 +33,6 @@ __all__ = [
     "ProposerFactory",
     "cold_acceptance",
     "create_proposer",
-    "draftable",
     "needs_prefill",
     "register_proposer",
     "registered_proposers",

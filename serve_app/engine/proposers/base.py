@@ -84,10 +84,6 @@ class LookaheadProposer(Protocol):
         """Tokens ``propose`` would draft for ``row`` now (at most ``row.depth``)."""
 
 
-def draftable(proposers: dict[str, object], row: ProposeRow) -> dict[str, int]:
-    """``RequestView.draftable`` for one row: each lookahead proposer's draft length."""
-    return {name: p.lookahead(row) for name, p in proposers.items() if isinstance(p, LookaheadProposer)}
-
 
 def needs_prefill(proposer: object) -> bool:
     """Whether admitting a request to ``proposer`` costs a prefill (the draft model reads the whole
