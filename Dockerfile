@@ -32,7 +32,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip download --no-deps --dest /opt/wheels --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 # Ray must be the version the RayService declares (spec.rayClusterConfig.rayVersion, from
-# RAY_VERSION in serve_app/k8s_config.py; tests/k8s check that both agree).
+# RAY_VERSION in deploy/manifest.py; tests/k8s check that both agree).
 ARG RAY_VERSION=2.60.0
 
 WORKDIR /app
@@ -43,11 +43,11 @@ RUN echo "ray==${RAY_VERSION}" > /opt/ray-constraint.txt \
     && .venv/bin/python -c "import ray, torch; \
 assert ray.__version__ == '${RAY_VERSION}', ray.__version__; \
 assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__; \
-import serve_app.app, serve_app.k8s_config"
+import serve_app.app, deploy.kuberay"
 
 # ---------------------------------------------------------------------------------- runtime
 FROM ${PYTHON_IMAGE} AS runtime
-# bash and wget: KubeRay's commands and the pods' probes (see serve_app/k8s_config.py).
+# bash and wget: KubeRay's commands and the pods' probes (see deploy/manifest.py).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends wget \
     && rm -rf /var/lib/apt/lists/*

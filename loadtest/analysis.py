@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.streaming import RequestRecord
+from policies.registry import PLAIN_POLICY
 
 GENERATION_TOKENS = "ray_specserve_generation_tokens_total"
 DRAFT_TOKENS = "ray_specserve_spec_decode_num_draft_tokens_total"
 ACCEPTED_TOKENS = "ray_specserve_spec_decode_num_accepted_tokens_total"
 REQUESTS = "ray_specserve_request_success_total"
-BASELINE_POLICY = "plain"
+BASELINE_POLICY = PLAIN_POLICY
 PERCENTILES = (50, 95, 99)
 
 

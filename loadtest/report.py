@@ -152,7 +152,7 @@ def write_report(
     lines = [f"# specserve load test, {meta.get('started', '')}", ""]
     lines += [
         f"- command: `{meta.get('command', '')}`",
-        f"- target `{meta.get('target')}`, draft `{meta.get('draft')}`, method `{meta.get('method')}`, "
+        f"- target `{meta.get('target')}`, draft `{meta.get('draft_model')}`, method `{meta.get('method')}`, "
         f"{meta.get('dtype')}, {meta.get('slots')} KV slots, replicas {meta.get('replicas')}",
         f"- each cell: a fresh `specserve serve`, {meta.get('warmup')} warm-up request(s), then Locust for "
         f"{meta.get('run_time_s')} s (at most {meta.get('max_requests') or 'unbounded'} requests; running "

@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import time
-import typing
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -34,28 +33,31 @@ import requests
 from loadtest import analysis
 from loadtest.cluster import LocalCluster, ReplicaSampler, counter_delta, free_port
 from loadtest.progress import Progress
-from loadtest.server import APP_NAME, ServerError, ServerProcess
+from loadtest.server import ServerError, ServerProcess
 from loadtest.streaming import RequestRecord
 from loadtest.workloads import MIXES, Conversation, load_workloads, mix_classes, mix_workloads
-from serve_app.config import Settings, SpeculationSettings
+from policies.registry import DEFAULT_POLICY, FIXED_POLICY, PLAIN_POLICY
+from serve_app.app import APP_NAME
+from serve_app.config import OFF, Settings, build_settings
+from serve_app.engine.proposers.registry import registered_proposers
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
-FIRST_POLICIES = ("plain", "static", "goodput")  # then every other registered policy
+FIRST_POLICIES = (PLAIN_POLICY, FIXED_POLICY, DEFAULT_POLICY)  # then every other registered policy
 STATIC_DEPTH = 4  # the best fixed draft depth in BENCHMARKS.md (Qwen pair, draft model)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``specserve loadtest`` flags (defaults: the full matrix on the settings' models)."""
     p.add_argument("--model", help="target model (default: settings)")
-    p.add_argument("--draft", help="draft model (default: settings)")
+    p.add_argument("--draft", dest="draft_model", help="draft model (default: settings)")
     p.add_argument(
-        "--method",
-        choices=typing.get_args(SpeculationSettings.model_fields["method"].annotation),
-        help="proposer for 'auto' (default: settings)",
+        "--method", choices=[OFF, *registered_proposers()], help="proposer for 'auto' (default: settings)"
     )
     p.add_argument(
-        "--policies", nargs="+", help="policies (default: plain static goodput, then every other registered)"
+        "--policies",
+        nargs="+",
+        help=f"policies (default: {' '.join(FIRST_POLICIES)}, then every other registered)",
     )
     p.add_argument(
         "--users", nargs="+", type=int, default=[1, 4, 16, 32], help="load levels (default: 1 4 16 32)"
@@ -76,7 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="warm-up rounds (one request per workload) per cell")
     p.add_argument("--max-tokens", type=int, default=0, help="cap every workload's max_tokens (0: no cap)")
     p.add_argument(
-        "--static-depth", type=int, default=STATIC_DEPTH, help="depth of the static policy (default: 4)"
+        "--static-depth",
+        type=int,
+        default=STATIC_DEPTH,
+        help=f"depth of the fixed-depth policy {FIXED_POLICY!r} (default: 4)",
     )
     p.add_argument(
         "--policy-params",
@@ -124,22 +129,26 @@ def cell_settings(
     base: Settings, args: argparse.Namespace, policy: str, params: dict[str, Any]
 ) -> dict[str, Any]:
     """The whole settings of one cell's server (written to its settings.yaml)."""
-    data = base.model_dump(mode="json")
-    if args.model:
-        data["model"]["target"] = args.model
-    if args.draft:
-        data["model"]["draft"] = args.draft
-    if args.method:
-        data["speculation"]["method"] = args.method
-    if args.slots:
-        data["cache"]["max_slots"] = args.slots
-    data["speculation"]["policy"] = policy
-    data["speculation"]["policy_params"] = params
-    if policy == "static":
-        data["speculation"]["depth"] = args.static_depth
-    data["server"].update(host="127.0.0.1", port=free_port(), api_key=None)
-    data["stats"]["redis_url"] = None  # every cell starts from nothing (no shared priors)
-    return data
+    overrides: dict[str, Any] = {
+        "model.target": args.model,
+        "model.draft": args.draft_model,
+        "speculation.method": args.method,
+        "cache.max_slots": args.slots,
+        "speculation.depth": args.static_depth if policy == FIXED_POLICY else None,
+    }
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    overrides |= {
+        "speculation.policy": policy,
+        "speculation.policy_params": params,
+        "server.host": "127.0.0.1",
+        "server.port": free_port(),
+        "server.api_key": None,
+        "stats.redis_url": None,  # every cell starts from nothing (no shared priors)
+    }
+    # The base's whole dump first, the cell's dotted keys over it (build_settings merges them).
+    return build_settings({**base.model_dump(mode="json"), **overrides}, environment=False).model_dump(
+        mode="json"
+    )
 
 
 def _warmup_bodies(model: str, mix: str, rounds: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -292,7 +301,7 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
         "command": "specserve loadtest "
         + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["loadtest"] else sys.argv[1:]),
         "target": probe["model"]["target"],
-        "draft": probe["model"]["draft"],
+        "draft_model": build_settings(probe, environment=False).model.draft,
         "method": probe["speculation"]["method"],
         "dtype": probe["runtime"]["dtype"],
         "slots": probe["cache"]["max_slots"],

@@ -21,8 +21,6 @@ from typing import IO, Any
 import requests
 import yaml
 
-APP_NAME = "specserve"  # the application name `specserve serve` deploys
-
 
 class ServerError(RuntimeError):
     """The server did not come up (its log says why)."""
@@ -62,7 +60,7 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         started = time.monotonic()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "serve_app.cli", "serve"],
+            [sys.executable, "-m", "specserve.cli", "serve"],
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -12,8 +12,11 @@ from policies.base import CostModel, Decision, Outcome, Policy, RequestOutcome, 
 from policies.cost_model import FittedCostModel, draft_profile_plan, profile_plan
 from policies.registry import (
     DEFAULT_POLICY,
+    FIXED_POLICY,
+    PLAIN_POLICY,
     PolicyConfig,
     create_policy,
+    policy_uses_cost_model,
     register_policy,
     registered_policies,
 )
@@ -21,6 +24,8 @@ from policies.workload import classify
 
 __all__ = [
     "DEFAULT_POLICY",
+    "FIXED_POLICY",
+    "PLAIN_POLICY",
     "AcceptanceEstimator",
     "CostModel",
     "Decision",
@@ -35,6 +40,7 @@ __all__ = [
     "classify",
     "create_policy",
     "draft_profile_plan",
+    "policy_uses_cost_model",
     "profile_plan",
     "register_policy",
     "registered_policies",

@@ -116,7 +116,11 @@ class BanditPolicy:
         return max(stats)[2] if stats else None
 
 
-@register_policy("bandit", "UCB1 over (proposer, depth) arms incl. plain per workload; reward tokens/s")
+@register_policy(
+    "bandit",
+    "UCB1 over (proposer, depth) arms incl. plain per workload; reward tokens/s",
+    uses_cost_model=True,
+)
 def _build(config: PolicyConfig) -> BanditPolicy:
     config.check_params("bandit", ("depths", "exploration"))
     depths = config.params.get("depths", DEFAULT_DEPTHS)

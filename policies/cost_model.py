@@ -55,7 +55,7 @@ BUCKETS = 8  # draft: log2 buckets of rows
 SMALL_N = 16  # target: each n <= SMALL_N its own bucket, then LOG_N log2 buckets:
 LOG_N = 4  # 17-32, 33-64, 65-128, above
 TARGET_BUCKETS = SMALL_N + LOG_N
-VERSION = 2
+VERSION = 3  # 3: the draft-step coefficients under "draft_steps" (2 said "draft"); older: profile again
 # Used until ``fit`` runs: the fit of the Qwen2.5-Coder-1.5B bf16 forwards measured at ctx 200 on
 # this machine (above), c3 from bandwidth: 28 KB of KV per token of context per row at ~23 GB/s.
 DEFAULT_TARGET = (0.1313, 0.0053, 0.0, 1.2e-6)
@@ -295,7 +295,7 @@ class FittedCostModel:
             ]
         )
         if draft_held_out:
-            report["draft"] = {
+            report["draft_steps"] = {
                 name: summary(
                     [({"rows": r, "context": c}, s, self.draft_time(name, r, c)) for r, c, s in rows if s > 0]
                 )
@@ -310,7 +310,7 @@ class FittedCostModel:
             "knee": self.knee,
             "target": list(self.target),
             "shape": {str(n): f for n, f in sorted(self.shape.items())},
-            "draft": {name: list(coef) for name, coef in self.draft.items()},
+            "draft_steps": {name: list(coef) for name, coef in self.draft.items()},
             "no_prefill": sorted(self.no_prefill),
             "target_factor": [self.target_factor[0], list(self.target_factor[1])],
             "draft_factor": {name: [f[0], list(f[1])] for name, f in self.draft_factor.items()},
@@ -318,16 +318,17 @@ class FittedCostModel:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> FittedCostModel:
-        """Read ``to_dict``'s form. Version 1 (no shape residual, 8 log2 target buckets) still
-        loads: its coefficients and global factor as they were, its target buckets reset."""
+        """Read ``to_dict``'s form (this ``VERSION`` only: a replica profiles again rather than
+        trust an older layout)."""
         version = data.get("version")
-        if version not in (1, VERSION):
-            raise ValueError(f"unsupported cost model version {version!r}")
+        if version != VERSION:
+            raise ValueError(f"unsupported cost model version {version!r} (this is {VERSION})")
         shape = {int(n): float(f) for n, f in data.get("shape", {}).items()}
-        model = cls(data["target"], data["knee"], data.get("draft", {}), data.get("no_prefill", ()), shape)
+        drafts = data.get("draft_steps", {})
+        model = cls(data["target"], data["knee"], drafts, data.get("no_prefill", ()), shape)
         if "target_factor" in data:
             g, buckets = data["target_factor"]
-            if version == VERSION and len(buckets) == TARGET_BUCKETS:
+            if len(buckets) == TARGET_BUCKETS:
                 model.target_factor = [float(g), [float(b) for b in buckets]]
             else:
                 model.target_factor = [float(g), [1.0] * TARGET_BUCKETS]

@@ -264,7 +264,11 @@ class GoodputPolicy:
                 self.admitted.add((r.request_id, r.proposer))
 
 
-@register_policy("goodput", "per request proposer and depth maximising the step's expected tokens per second")
+@register_policy(
+    "goodput",
+    "per request proposer and depth maximising the step's expected tokens per second",
+    uses_cost_model=True,
+)
 def _build(config: PolicyConfig) -> GoodputPolicy:
     config.check_params("goodput", ("default_acceptance", "margin"))
     default = float(config.params.get("default_acceptance", 0.5))  # type: ignore[arg-type]

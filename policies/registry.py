@@ -17,7 +17,11 @@ from types import MappingProxyType
 
 from policies.base import Policy
 
-DEFAULT_POLICY = "goodput"
+# The roles tools and the engine ask for by role, never by name (the names live here and in the
+# policies' own modules only).
+DEFAULT_POLICY = "goodput"  # the server's default: decides from the cost model and acceptance
+PLAIN_POLICY = "plain"  # never speculates: the baseline of every comparison
+FIXED_POLICY = "static"  # a fixed proposer at a fixed depth: what a benchmark of one method runs
 
 
 @dataclass(frozen=True)
@@ -64,14 +68,20 @@ PolicyFactory = Callable[[PolicyConfig], Policy]
 class _Entry:
     factory: PolicyFactory
     description: str
+    uses_cost_model: bool
 
 
 # The registry itself; mutated only by ``register_policy``.
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register_policy(name: str, description: str) -> Callable[[PolicyFactory], PolicyFactory]:
-    """Decorator: register ``factory`` under ``name``. A name can be registered once (ValueError)."""
+def register_policy(
+    name: str, description: str, *, uses_cost_model: bool = False
+) -> Callable[[PolicyFactory], PolicyFactory]:
+    """Decorator: register ``factory`` under ``name``. A name can be registered once (ValueError).
+
+    ``uses_cost_model``: the policy reads ``StepView.cost``, so a replica profiles (or fetches) the
+    cost model before serving with it."""
     if not isinstance(name, str) or not name.strip() or name != name.strip():
         raise ValueError(f"policy name must be a non-empty string without surrounding spaces: {name!r}")
     if not isinstance(description, str) or not description.strip():
@@ -82,7 +92,7 @@ def register_policy(name: str, description: str) -> Callable[[PolicyFactory], Po
             raise ValueError(f"policy {name!r} is already registered")
         if not callable(factory):
             raise TypeError(f"policy {name!r}: factory must be callable, got {factory!r}")
-        _REGISTRY[name] = _Entry(factory=factory, description=" ".join(description.split()))
+        _REGISTRY[name] = _Entry(factory, " ".join(description.split()), uses_cost_model)
         return factory
 
     return decorator
@@ -103,3 +113,16 @@ def create_policy(name: str, config: PolicyConfig | None = None) -> Policy:
 def registered_policies() -> dict[str, str]:
     """Name -> one-line description of every registered policy (a copy, sorted by name)."""
     return {name: _REGISTRY[name].description for name in sorted(_REGISTRY)}
+
+
+def policy_uses_cost_model(name: str) -> bool:
+    """Whether the policy registered as ``name`` reads the cost model (unknown: ValueError)."""
+    if name not in _REGISTRY:
+        known = ", ".join(sorted(_REGISTRY)) or "(none)"
+        raise ValueError(f"unknown policy {name!r}; registered policies: {known}")
+    return _REGISTRY[name].uses_cost_model
+
+
+def policy_modules() -> dict[str, str]:
+    """Name -> the module that registered it (the house test: names are spelled nowhere else)."""
+    return {name: entry.factory.__module__ for name, entry in _REGISTRY.items()}

@@ -26,7 +26,7 @@ from policies.acceptance import AcceptanceEstimator
 from policies.base import CostModel, Outcome, Policy, RequestOutcome, RequestView, StepView
 from policies.goodput import prefill_seconds
 from policies.limits import depth_cap
-from policies.registry import PolicyConfig, create_policy
+from policies.registry import FIXED_POLICY, PLAIN_POLICY, PolicyConfig, create_policy
 
 
 @dataclass(frozen=True)
@@ -281,9 +281,9 @@ def static_policy(arm: tuple[str | None, int], max_depth: int) -> Policy:
     """The policy that always takes ``arm`` (plain for (None, 0))."""
     name, depth = arm
     if name is None:
-        return create_policy("plain", PolicyConfig())
+        return create_policy(PLAIN_POLICY, PolicyConfig())
     config = PolicyConfig(default_proposer=name, default_depth=depth, max_depth=max_depth)
-    return create_policy("static", config)
+    return create_policy(FIXED_POLICY, config)
 
 
 def replay(recorded: Sequence[object]) -> list[Trace]:

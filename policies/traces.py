@@ -17,7 +17,7 @@ Lookups. A proposer that knows before drafting how many tokens it would propose 
 ``RequestView.draftable``) also has ``draftable[g]``: its draft length at position g (0 = no match;
 then the engine never asks it, and the policy must choose something else). ``matches[g]`` is at
 most ``draftable[g]``. Recorded exactly by replaying the lookup over the request's output
-(``serve_app.bench_policies.lookup_trace``), with its matches.
+(``loadtest.bench.policies.lookup_trace``), with its matches.
 
 Files: JSON ``{"format": 1, "model_pair": ..., "cost_model": {...}, "traces": [...]}``; a trace
 is ``{"name", "workload", "prompt_len", "output_len", "matches": {proposer: [int, ...]}}``, with

@@ -5,41 +5,35 @@
 
 Two deployments:
 
-- ``EngineDeployment``: one ``AsyncEngine`` (``serve_app.replica``) per replica. ``generate`` streams
+- ``EngineDeployment``: one ``AsyncEngine`` (``serve_app.async_engine``) per replica. ``generate`` streams
   ``GenerateChunk``s (call it through ``handle.options(stream=True)``); ``info``, ``health`` and
   ``stats`` (running/waiting requests, a debug view); ``check_health`` is Serve's health check and
   raises when the engine loop died or is stuck, so Serve replaces the replica. Replica count,
   concurrency and CPUs come from settings through :func:`deployment_options`.
 - ``IngressDeployment``: the OpenAI-compatible FastAPI app of ``serve_app.api.routes.create_app``,
-  built in the replica (``__serve_build_asgi_app__``) around a :class:`RayEngineClient`.
-
-Cancellation across the handle: the ingress closes its engine stream when a request ends early
-(client gone, time-out). ``RayEngineClient.generate`` then calls ``cancel()`` on the
-``DeploymentResponseGenerator``; Serve cancels the call in the engine replica, which raises
-``CancelledError`` inside ``EngineDeployment.generate``; closing the ``AsyncEngine`` stream there
-sends the abort to the engine loop, and the KV slot is free at the next step.
+  built in the replica (``__serve_build_asgi_app__``) around a ``RayEngineClient``
+  (``serve_app.handle_client``, which also says how cancellation crosses the handle).
 
 Importing this module starts nothing (no Ray cluster, no model load).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.config import Settings, load_settings
-from serve_app.generation import EngineInfo, GenerateChunk, GenerateError, GenerateRequest
+from serve_app.config import Settings, build_settings
+from serve_app.wire import EngineInfo, GenerateChunk, GenerateRequest
 
 log = logging.getLogger(__name__)
 
+APP_NAME = "specserve"  # the Serve application's name (`specserve serve`, the KubeRay RayService)
 ENGINE_DEPLOYMENT = "EngineDeployment"
 INGRESS_DEPLOYMENT = "IngressDeployment"
 HEALTH_CHECK_PERIOD_S = 10.0
@@ -47,44 +41,6 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
 
 
 # --------------------------------------------------------------------------------- settings
-
-
-def settings_from_args(args: Mapping[str, Any] | None) -> Settings:
-    """Validate application arguments into ``Settings`` (on top of env / YAML / defaults).
-
-    Accepted shapes, mixed freely: nested (``{"model": {"target": "x"}}``), dotted keys
-    (``{"model.target": "x"}``, what ``serve run ... model.target=x`` passes) or double
-    underscores (``model__target``), and bare field names where only one section has that field
-    (``{"target": "x", "max_slots": 4}``). Errors are ``ValueError``s naming the field.
-    """
-    owners: dict[str, list[str]] = {}
-    for section, info in Settings.model_fields.items():
-        for name in getattr(info.annotation, "model_fields", {}):
-            owners.setdefault(name, []).append(section)
-    nested: dict[str, Any] = {}
-
-    def put(section: str, name: str, value: Any) -> None:
-        current = nested.setdefault(section, {})
-        if not isinstance(current, dict):  # e.g. {"model": "x", "model.target": "y"}
-            raise ValueError(f"application argument {section!r} must be a mapping of its fields")
-        current[name] = value
-
-    for key, value in (args or {}).items():
-        key = str(key)
-        section, dot, name = key.replace("__", ".").partition(".")
-        if dot:
-            put(section, name, value)
-        elif key in Settings.model_fields and isinstance(value, Mapping):
-            for name, inner in value.items():
-                put(key, str(name), inner)
-        elif key not in Settings.model_fields and len(owners.get(key, ())) == 1:
-            put(owners[key][0], key, value)
-        else:
-            nested[key] = value  # unknown keys: Settings (extra="forbid") names them
-    try:
-        return load_settings(**nested)
-    except ValidationError as exc:
-        raise ValueError(f"invalid specserve application arguments: {exc}") from None
 
 
 def deployment_options(settings: Settings) -> dict[str, Any]:
@@ -146,13 +102,13 @@ class EngineDeployment:
     """One engine replica: an AsyncEngine with its own loop thread, models loaded at start."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        from serve_app import telemetry
-        from serve_app.replica import AsyncEngine
+        from serve_app.builder import build_async_engine
+        from serve_app.observability import tracing
 
         self.settings = Settings(**settings)
-        provider = telemetry.setup_tracing(self.settings.telemetry)
-        self.engine = AsyncEngine.from_settings(
-            self.settings, metrics_backend="ray", tracer=telemetry.get_tracer(provider)
+        provider = tracing.setup_tracing(self.settings.telemetry)
+        self.engine = build_async_engine(
+            self.settings, metrics_backend="ray", tracer=tracing.get_tracer(provider)
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -185,104 +141,18 @@ class EngineDeployment:
 # --------------------------------------------------------------------------------- ingress
 
 
-def _handle_error(exc: Exception) -> GenerateError:
-    """A failure of the handle call itself, as the engine would report it."""
-    from ray.exceptions import RayActorError
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-
-    if isinstance(exc, BackPressureError):
-        return GenerateError(
-            "The server is overloaded (request queue full); retry shortly.",
-            type="overloaded_error",
-            code="overloaded",
-            status=503,
-        )
-    if isinstance(exc, RayActorError | DeploymentUnavailableError):
-        return GenerateError(
-            "The engine replica is unavailable; retry shortly.",
-            type="server_error",
-            code="engine_unavailable",
-            status=503,
-        )
-    log.error("engine call failed", exc_info=exc)
-    return GenerateError("The server had an error while processing your request.", "server_error", status=500)
-
-
-class RayEngineClient:
-    """``EngineClient`` over a handle to ``EngineDeployment`` (what the ingress app talks to)."""
-
-    def __init__(self, handle: DeploymentHandle, app_name: str | None = None) -> None:
-        self._handle = handle
-        self._streaming = handle.options(stream=True)
-        self._app_name = app_name
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream the replica's chunks; closing this early cancels the call in the replica."""
-        response = self._streaming.generate.remote(request)
-        done = False
-        try:
-            async for chunk in response:
-                done = chunk.finished
-                yield chunk
-                if done:
-                    return
-            done = True
-            yield GenerateChunk(
-                request.request_id,
-                finished=True,
-                error=GenerateError("The engine stream ended early.", "server_error", status=500),
-            )
-        except Exception as exc:
-            done = True
-            yield GenerateChunk(request.request_id, finished=True, error=_handle_error(exc))
-        finally:
-            if not done:
-                response.cancel()  # Serve raises CancelledError in the replica's generate()
-
-    async def info(self) -> EngineInfo:
-        return await self._handle.info.remote()
-
-    async def health(self) -> bool:
-        """True while the engine deployment has a running replica (Serve health-checks each).
-
-        Asked of the Serve controller, not through the handle: a handle call would queue behind
-        the generation requests of a busy replica and time out exactly when the service is busy.
-        Outside a Serve application (no controller view), the replica itself is asked.
-        """
-        try:
-            return await asyncio.to_thread(self._controller_health)
-        except Exception:
-            log.debug("controller health unavailable; asking the replica", exc_info=True)
-        try:
-            return bool(await asyncio.wait_for(self._handle.health.remote(), 10.0))
-        except Exception:
-            return False
-
-    def _controller_health(self) -> bool:
-        app_name = self._app_name or serve.get_replica_context().app_name
-        app = serve.status().applications[app_name]
-        deployment = app.deployments[ENGINE_DEPLOYMENT]
-        if str(getattr(deployment.status, "value", deployment.status)) in ("DEPLOY_FAILED",):
-            return False
-        running = sum(
-            count
-            for state, count in deployment.replica_states.items()
-            if str(getattr(state, "value", state)) == "RUNNING"
-        )
-        return running > 0
-
-
 @serve.deployment(name=INGRESS_DEPLOYMENT)
 @serve.ingress()
 class IngressDeployment:
     """The OpenAI-compatible HTTP API (FastAPI, built in the replica) in front of the engines."""
 
     def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]) -> None:
-        from serve_app import telemetry
+        from serve_app.handle_client import RayEngineClient
+        from serve_app.observability import tracing
 
         self.settings = Settings(**settings)
-        self.client = RayEngineClient(engine)
-        self.tracer = telemetry.get_tracer(telemetry.setup_tracing(self.settings.telemetry))
+        self.client = RayEngineClient(engine, ENGINE_DEPLOYMENT)
+        self.tracer = tracing.get_tracer(tracing.setup_tracing(self.settings.telemetry))
 
     def __serve_build_asgi_app__(self) -> Any:
         from serve_app.api.routes import create_app
@@ -296,10 +166,10 @@ class IngressDeployment:
 def build_app(args: Mapping[str, Any] | None = None) -> serve.Application:
     """The application (``serve run serve_app.app:build_app``; KubeRay ``import_path``).
 
-    ``args`` override settings (see :func:`settings_from_args`); an invalid value is a
-    ``ValueError`` naming the field, raised here, before anything is deployed.
+    ``args`` override settings (any shape ``serve_app.config.build_settings`` takes); an invalid
+    value is a ``ValueError`` naming the field, raised here, before anything is deployed.
     """
-    settings = settings_from_args(args)
+    settings = build_settings(args)
     data = settings.model_dump(mode="json")
     engine = EngineDeployment.options(**deployment_options(settings)).bind(data)
     return IngressDeployment.options(**ingress_options(settings)).bind(engine, data)

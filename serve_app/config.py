@@ -9,13 +9,18 @@ order of precedence: explicit keyword arguments (the CLI), environment variables
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from policies.registry import DEFAULT_POLICY, registered_policies
+from serve_app.engine.proposers.registry import DEFAULT_PROPOSER, proposer_specs, registered_proposers
+
+OFF = "off"  # speculation.method for plain decoding
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
@@ -60,14 +65,34 @@ class CacheSettings(_Section):
     )
 
 
+def _proposer_options_model() -> type[BaseModel]:
+    """``speculation.proposers``: one section per registered proposer, its own options model."""
+    fields: dict[str, Any] = {
+        spec.name: (spec.options, Field(default_factory=spec.options, description=spec.description))
+        for spec in proposer_specs()
+    }
+    return create_model("ProposerOptions", __base__=_Section, **fields)
+
+
+ProposerOptions = _proposer_options_model()
+
+
 class SpeculationSettings(_Section):
-    method: Literal["off", "draft", "ngram", "self"] = Field(
-        "draft",
-        description="Proposer for requests that leave speculation to the server ('auto'); off = plain; "
-        "self = the target drafts through a subset of its layers (no draft model needed).",
+    method: str = Field(
+        DEFAULT_PROPOSER,
+        description="Proposer for requests that leave speculation to the server ('auto'), or 'off' for "
+        "plain decoding; any registered proposer (`specserve generate --help` lists them).",
+    )
+    extra_proposers: list[str] = Field(
+        default_factory=list,
+        description="Proposers loaded beside `method` (and those every replica loads, e.g. prompt lookup), "
+        "so that requests and the policy can choose them.",
+    )
+    proposers: ProposerOptions = Field(  # type: ignore[valid-type]
+        default_factory=ProposerOptions, description="Each proposer's options, by proposer name."
     )
     policy: str = Field(
-        "goodput", description="Who decides each request's proposer and depth (`specserve policies`)."
+        DEFAULT_POLICY, description="Who decides each request's proposer and depth (`specserve policies`)."
     )
     policy_params: dict[str, Any] = Field(
         default_factory=dict, description="Policy-specific knobs, e.g. {'table': {1: 6, 8: 2}}."
@@ -79,32 +104,37 @@ class SpeculationSettings(_Section):
     )
     depth: int = Field(6, ge=1, le=32, description="Draft tokens proposed per step.")
     max_depth: int = Field(16, ge=1, le=32, description="The deepest speculation a request may ask for.")
-    draft_int8: bool = Field(
-        True, description="Draft model layers as int8 weight-only (half the bytes per draft step)."
-    )
-    draft_head_tokens: int = Field(
-        32768,
-        ge=0,
-        description="Keep only this many most frequent tokens in the draft's output head (0 = all).",
-    )
-    draft_min_confidence: float = Field(
-        0.0,
-        ge=0.0,
-        le=1.0,
-        description="A greedy draft stops early once its top token's probability falls below this.",
-    )
-    self_spec: bool = Field(
-        False,
-        description="Also load the self-speculative proposer ('self') when method is another one "
-        "(it costs no memory), so requests and the policy can choose it.",
-    )
-    self_spec_skip: list[int] | None = Field(
-        None,
-        description="Layers the self-speculative draft skips; null = the calibration stored with the "
-        "model (`specserve calibrate self-spec`), else the shipped one, else a default.",
-    )
-    ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix the n-gram proposer matches.")
-    ngram_min: int = Field(2, ge=1, le=16, description="Shortest suffix the n-gram proposer matches.")
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        if value != OFF and value not in registered_proposers():
+            raise ValueError(
+                f"unknown method {value!r}; choose {OFF!r} or one of {list(registered_proposers())}"
+            )
+        return value
+
+    @field_validator("extra_proposers")
+    @classmethod
+    def _known_proposers(cls, value: list[str]) -> list[str]:
+        unknown = [name for name in value if name not in registered_proposers()]
+        if unknown:
+            raise ValueError(f"unknown proposers {unknown}; registered: {list(registered_proposers())}")
+        return value
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in registered_policies():
+            raise ValueError(f"unknown policy {value!r}; registered: {list(registered_policies())}")
+        return value
+
+    def loaded_proposers(self) -> list[str]:
+        """The proposers a replica loads: ``method``, the extras, and those every replica loads."""
+        names = [self.method] if self.method != OFF else []
+        names += [n for n in self.extra_proposers if n not in names]
+        names += [s.name for s in proposer_specs() if s.always_load and s.name not in names]
+        return names
 
 
 class StoreSettings(_Section):
@@ -258,6 +288,66 @@ class _YamlSource(PydanticBaseSettingsSource):
         return data
 
 
-def load_settings(**overrides: Any) -> Settings:
-    """Build the settings from overrides (nested dicts), environment and YAML file."""
-    return Settings(**overrides)
+def build_settings(overrides: Mapping[str, Any] | None = None, *, environment: bool = True) -> Settings:
+    """The one way to build ``Settings``: ``overrides`` on top of the environment, the YAML file
+    named by ``SPECSERVE_CONFIG`` and the defaults (``environment=False``: on the defaults alone, as
+    the KubeRay renderer needs, whoever runs it).
+
+    ``overrides`` may mix nested sections (``{"model": {"target": "x"}}``), dotted keys
+    (``{"model.target": "x"}``, what ``serve run ... model.target=x`` passes), double underscores
+    (``model__target``) and bare field names where only one section has that field
+    (``{"target": "x", "max_slots": 4}``).
+    Errors are ``ValueError``s naming the field.
+    """
+    nested = _nest(overrides or {})
+    try:
+        return Settings(**nested) if environment else _DefaultsOnlySettings(**nested)
+    except ValidationError as exc:
+        raise ValueError(f"invalid settings: {exc}") from None
+
+
+def _nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Overrides in any of ``build_settings``' shapes, as nested sections."""
+    owners: dict[str, list[str]] = {}
+    for section, info in Settings.model_fields.items():
+        for name in getattr(info.annotation, "model_fields", {}):
+            owners.setdefault(name, []).append(section)
+    nested: dict[str, Any] = {}
+
+    def put(section: str, name: str, value: Any) -> None:
+        current = nested.setdefault(section, {})
+        if not isinstance(current, dict):  # e.g. {"model": "x", "model.target": "y"}
+            raise ValueError(f"settings section {section!r} must be a mapping of its fields")
+        parts = name.split(".")
+        for part in parts[:-1]:  # deeper keys, e.g. speculation.proposers.ngram.max_ngram
+            current = current.setdefault(part, {})
+        current[parts[-1]] = value
+
+    for key, value in overrides.items():
+        key = str(key)
+        section, dot, name = key.replace("__", ".").partition(".")
+        if dot:
+            put(section, name, value)
+        elif key in Settings.model_fields and isinstance(value, Mapping):
+            for name, inner in value.items():
+                put(key, str(name), inner)
+        elif key not in Settings.model_fields and len(owners.get(key, ())) == 1:
+            put(owners[key][0], key, value)
+        else:
+            nested[key] = value  # unknown keys: Settings (extra="forbid") names them
+    return nested
+
+
+class _DefaultsOnlySettings(Settings):
+    """``Settings`` from the given values and the defaults only (no environment, no YAML file)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)

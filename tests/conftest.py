@@ -92,3 +92,9 @@ def pack_path(name: str) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return pack_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen_pair() -> tuple[Path, Path]:
+    """The default target and draft packs (the slow tests' real pair)."""
+    return pack_path("qwen2.5-coder-1.5b-instruct"), pack_path("qwen2.5-coder-0.5b-instruct")

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve_app.generation import GenerateError
+from serve_app.wire import GenerateError
 
 logger = logging.getLogger(__name__)
 

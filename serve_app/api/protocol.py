@@ -22,9 +22,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from serve_app.api.errors import APIError
-from serve_app.engine.request import SpecOverride
-from serve_app.engine.sampling import MAX_STOP_STRINGS, SamplingParams
-from serve_app.generation import EngineInfo, GenerateRequest
+from serve_app.engine.params import MAX_STOP_STRINGS, SamplingParams, SpecOverride
+from serve_app.wire import EngineInfo, GenerateRequest
 
 DEFAULT_MAX_TOKENS = 256
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes

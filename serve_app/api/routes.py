@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 from serve_app.api import protocol as p
 from serve_app.api.errors import APIError, ApiKeyMiddleware, install_error_handlers
 from serve_app.config import ServerSettings
-from serve_app.generation import EngineClient, EngineInfo, GenerateChunk, GenerateError, GenerateRequest
+from serve_app.wire import EngineClient, EngineInfo, GenerateChunk, GenerateError, GenerateRequest
 
 logger = logging.getLogger(__name__)
 

@@ -12,61 +12,36 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from policies import FittedCostModel, PolicyConfig, create_policy
-from policies.base import Decision
+from serve_app.engine.decoder_config import read_generation_eos
 from serve_app.engine.detokenizer import IncrementalDetokenizer
+from serve_app.engine.device import DTYPES, resolve_device
+from serve_app.engine.drafting import draft_rows, lookahead, planned_request
+from serve_app.engine.engine_config import EngineConfig
 from serve_app.engine.kv_cache import KVCache
-from serve_app.engine.model import DecoderModel, read_generation_eos
+from serve_app.engine.model import DecoderModel
+from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.planner import PlannedRequest, SpeculationPlanner, StatsSink
 from serve_app.engine.profiling import profile_cost_model
-from serve_app.engine.proposers import (
-    Draft,
+from serve_app.engine.proposers.base import (
     LookaheadProposer,
     ModelDrafter,
     Proposer,
-    ProposerContext,
-    ProposeRow,
-    cold_acceptance,
-    create_proposer,
     needs_prefill,
 )
-from serve_app.engine.request import Completion, Request, RequestOutput, SpecOverride
-from serve_app.engine.sampling import SamplingParams, make_generator
+from serve_app.engine.proposers.registry import ProposerContext, cold_acceptance, create_proposer
+from serve_app.engine.request import Completion, Request, RequestOutput
+from serve_app.engine.sampling import make_generator
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.stopping import StopChecker
 from serve_app.engine.verify import verify
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What the engine needs to know; built from ``serve_app.config.Settings`` by the caller."""
-
-    max_slots: int = 8
-    max_seq_len: int = 4096
-    max_waiting: int = 256
-    spec_method: str | None = None  # proposer used when a request says "auto"; None = plain decoding
-    spec_depth: int = 4  # draft tokens per step
-    max_depth: int = 16  # the most a request may ask for
-    proposer_options: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
-    policy: str = "static"  # a registered policy name (`specserve policies`)
-    policy_params: Mapping[str, object] = field(default_factory=dict)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available")
-    return torch.device(name)
 
 
 class SpecEngine:
@@ -243,64 +218,15 @@ class SpecEngine:
         result = verify(logits, [[]], [None], [request.params], [request.generator])
         return self._emit(request, result.tokens[0])
 
-    def _draft(
-        self, requests: list[Request], decisions: list[Decision]
-    ) -> tuple[list[Draft], dict[str, float], dict[str, int]]:
-        """Each proposer drafts for its rows; also its time (admission prefill excluded) and steps."""
-        drafts = [Draft(tokens=[]) for _ in requests]
-        seconds: dict[str, float] = {}
-        steps: dict[str, int] = {}
-        groups: dict[str, list[int]] = {}
-        for i, decision in enumerate(decisions):
-            if decision.proposer is not None:
-                groups.setdefault(decision.proposer, []).append(i)
-        for name, indices in groups.items():
-            proposer = self.proposers[name]
-            rows = []
-            for i in indices:
-                request = requests[i]
-                if name not in request.proposers_admitted:
-                    proposer.admit(request.slot, request.prompt_ids + request.output_ids[:-1])
-                    request.proposers_admitted.add(name)
-                rows.append(ProposeRow(request.slot, request.prompt_ids + request.output_ids,
-                                       decisions[i].depth, request.params, request.generator))  # fmt: skip
-            start = time.perf_counter()
-            for i, draft in zip(indices, proposer.propose(rows), strict=True):
-                drafts[i] = draft
-            seconds[name] = time.perf_counter() - start
-            steps[name] = max(len(drafts[i].tokens) for i in indices)
-        return drafts, seconds, steps
-
-    def _lookahead(self, request: Request) -> dict[str, int]:
-        """What each lookahead proposer (n-gram) would draft for ``request`` now; it is admitted
-        for the request first (free: it indexes the prompt), so its state is released with it."""
-        if not self._lookups or request.speculation.mode == "off":
-            return {}
-        for name in self._lookups.keys() - request.proposers_admitted:
-            self._lookups[name].admit(request.slot, request.prompt_ids + request.output_ids[:-1])
-            request.proposers_admitted.add(name)
-        row = ProposeRow(request.slot, request.prompt_ids + request.output_ids, self.config.max_depth,
-                         request.params, request.generator)  # fmt: skip
-        return {name: proposer.lookahead(row) for name, proposer in self._lookups.items()}
-
     def _planned(self, request: Request) -> PlannedRequest:
-        return PlannedRequest(
-            request_id=request.request_id,
-            prompt_len=len(request.prompt_ids),
-            generated=len(request.output_ids),
-            tokens_left=request.tokens_left,
-            temperature=request.params.temperature,
-            mode=request.speculation.mode,
-            max_depth=request.speculation.max_depth,
-            room=self.config.max_seq_len - request.num_tokens,
-            draftable=self._lookahead(request),
-        )
+        draftable = lookahead(self._lookups, request, self.config.max_depth)
+        return planned_request(request, self.config.max_seq_len, draftable)
 
     def _decode(self, requests: list[Request]) -> list[RequestOutput]:
         step_start = time.perf_counter()
         planned = [self._planned(r) for r in requests]
         decisions = self.planner.decide(planned, self.scheduler.num_waiting)
-        drafts, draft_seconds, draft_steps = self._draft(requests, decisions)
+        drafts, draft_seconds, draft_steps = draft_rows(self.proposers, requests, decisions)
         target_start = time.perf_counter()
         width = 1 + max(len(d.tokens) for d in drafts)
         tokens = torch.zeros(len(requests), width, dtype=torch.long)  # [B, 1 + K], right-padded

@@ -9,7 +9,7 @@ estimator and the cost model, and into counts for the shared statistics sink.
 
 The stats sink is anything with ``record(key, drafted, accepted)`` and ``priors(key)``, keys being
 ``(model_pair, proposer, workload)`` tuples: the serving layer passes an adapter over Redis-backed
-``serve_app.stats.SharedStats``; the engine itself never imports Redis.
+``serve_app.observability.shared_stats.SharedStats``; the engine itself never imports Redis.
 """
 
 from __future__ import annotations

@@ -9,22 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from serve_app.engine.detokenizer import IncrementalDetokenizer
-from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.stopping import StopChecker
-
-
-@dataclass(frozen=True)
-class SpecOverride:
-    """A request's own say on speculation: ``mode`` is "auto", "off" or a proposer name."""
-
-    mode: str = "auto"
-    max_depth: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.mode:
-            raise ValueError("speculation.mode must be 'auto', 'off' or a proposer name")
-        if self.max_depth is not None and self.max_depth < 0:
-            raise ValueError("speculation.max_depth must be >= 0")
 
 
 @dataclass

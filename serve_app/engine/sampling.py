@@ -1,4 +1,4 @@
-"""Sampling: request parameters, the target distribution, and seeded draws.
+"""Sampling: the target distribution and seeded draws (the parameters are in ``params``).
 
 `process_logits` is the single definition of "the distribution plain decoding samples from". The
 plain decoding path samples from it and the speculative verifier uses the same function to get the
@@ -11,61 +11,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-# Temperatures below this are treated as greedy. Dividing logits by a tiny positive temperature
-# overflows float32 to inf and softmax then yields NaN; at such temperatures the distribution is a
-# one-hot at the argmax anyway (the same threshold vLLM uses).
-GREEDY_TEMPERATURE = 1e-5
-
-MAX_STOP_STRINGS = 16
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding parameters (OpenAI semantics).
-
-    `top_k == 0` and `top_p == 1.0` switch those filters off. `seed` makes sampling reproducible for
-    this request; None draws a fresh random seed. `stop` strings and `stop_token_ids` end the
-    request (the stop text is not returned); `ignore_eos` keeps generating past the model's EOS.
-    """
-
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        # Accept lists from callers (JSON) but store tuples so the object stays hashable.
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when decoding is argmax (temperature 0, or below `GREEDY_TEMPERATURE`)."""
-        return self.temperature < GREEDY_TEMPERATURE
+from serve_app.engine.params import GREEDY_TEMPERATURE
 
 
 def process_logits(

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.params import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.engine.sampling import SamplingParams, process_logits
+from serve_app.engine.params import SamplingParams
+from serve_app.engine.sampling import process_logits
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_app.engine.engine import EngineConfig, SpecEngine
-from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.engine import SpecEngine
+from serve_app.engine.engine_config import EngineConfig
+from serve_app.engine.params import SamplingParams
 from serve_app.engine.scheduler import QueueFullError
 from tests.conftest import make_tiny_hf_model
 

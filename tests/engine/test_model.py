@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from serve_app.engine.model import DecoderConfig, DecoderModel
+from serve_app.engine.decoder_config import DecoderConfig
+from serve_app.engine.model import DecoderModel
 
 ARCHS = {
     "llama": (LlamaConfig, {}),

@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from serve_app.engine.engine import EngineConfig, SpecEngine
+from serve_app.engine.engine import SpecEngine
+from serve_app.engine.engine_config import EngineConfig
 from serve_app.engine.model import DecoderModel
-from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.params import SamplingParams
 
 PROMPTS = [
     "def fibonacci(n):",

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from serve_app.engine.proposers import Draft, Proposer, ProposeRow
+from serve_app.engine.params import SamplingParams
+from serve_app.engine.proposers.base import Draft, Proposer, ProposeRow
 from serve_app.engine.proposers.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramProposer
-from serve_app.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

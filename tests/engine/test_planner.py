@@ -6,13 +6,13 @@ import pytest
 
 from policies import FittedCostModel, registered_policies
 from serve_app.config import StatsSettings
-from serve_app.engine.engine import EngineConfig, SpecEngine
+from serve_app.engine.engine import SpecEngine
+from serve_app.engine.engine_config import EngineConfig
 from serve_app.engine.model import DecoderModel
+from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.proposers.draft_model import DraftModelProposer
 from serve_app.engine.proposers.ngram import NgramProposer
-from serve_app.engine.request import SpecOverride
-from serve_app.engine.sampling import SamplingParams
-from serve_app.stats import AcceptanceKey, EngineStatsSink, SharedStats
+from serve_app.observability.shared_stats import AcceptanceKey, EngineStatsSink, SharedStats
 from tests.conftest import hf_greedy, make_tiny_hf_model
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "specserve", "tags": [', "x"]
@@ -107,7 +107,9 @@ def test_fresh_engine_starts_ngram_from_its_cold_acceptance(target_hf, tiny_toke
     """Without shared statistics an n-gram lookup starts from its registered acceptance given a
     match, not the estimator's generic default; the draft model keeps the default; shared priors
     win."""
-    from serve_app.engine.proposers.ngram import COLD_ACCEPTANCE
+    from serve_app.engine.proposers.registry import proposer_spec
+
+    COLD_ACCEPTANCE = proposer_spec("ngram").cold_acceptance
 
     sink = EngineStatsSink(SharedStats(StatsSettings(redis_url=None), replica_id="test"))
     engine = make_engine(target_hf, tiny_tokenizer, "goodput", sink)

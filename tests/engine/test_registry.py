@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.engine.proposers import (
-    Draft,
-    Proposer,
+from serve_app.engine.proposers import registry as registry_module
+from serve_app.engine.proposers.base import Draft, Proposer
+from serve_app.engine.proposers.ngram import NgramProposer
+from serve_app.engine.proposers.options import NgramOptions
+from serve_app.engine.proposers.registry import (
     ProposerContext,
     create_proposer,
+    fallback_proposer,
+    proposer_spec,
+    proposer_specs,
     register_proposer,
     registered_proposers,
 )
-from serve_app.engine.proposers import registry as registry_module
-from serve_app.engine.proposers.ngram import NgramProposer
+
+NGRAM_COLD = proposer_spec("ngram").cold_acceptance
 
 
 def context(**options) -> ProposerContext:
@@ -108,25 +113,26 @@ def test_context_options_are_read_only():
 
 
 def test_cold_acceptance_is_what_a_proposer_registered():
-    from serve_app.engine.proposers import cold_acceptance
-    from serve_app.engine.proposers.ngram import COLD_ACCEPTANCE
+    from serve_app.engine.proposers.registry import cold_acceptance
 
     # ngram declares its own (its acceptance given a match, pooled over the shipped traces); the
     # draft model and unknown names leave it to the estimator's default.
-    assert cold_acceptance(["draft", "ngram", "no-such"]) == {"ngram": COLD_ACCEPTANCE}
+    assert NGRAM_COLD is not None
+    assert cold_acceptance(["draft", "ngram", "no-such"]) == {"ngram": NGRAM_COLD}
 
 
 def test_ngram_cold_acceptance_is_the_shipped_traces_pooled_acceptance_given_a_match():
     from dataclasses import replace
+    from pathlib import Path
 
+    import policies
     from policies.traces import TraceSet, acceptance_priors
-    from serve_app.bench_policies import DEFAULT_TRACES
-    from serve_app.engine.proposers.ngram import COLD_ACCEPTANCE
 
-    traces = TraceSet.load(DEFAULT_TRACES).traces
+    shipped = Path(policies.__file__).parent / "traces" / "qwen2.5-coder-1.5b-0.5b-cpu.json"
+    traces = TraceSet.load(shipped).traces
     assert all("ngram" in t.draftable for t in traces)  # recorded with its lookahead
-    pooled = acceptance_priors([replace(t, workload="*") for t in traces], len(COLD_ACCEPTANCE))
-    assert pooled[("ngram", "*")] == pytest.approx(COLD_ACCEPTANCE, abs=0.006)
+    pooled = acceptance_priors([replace(t, workload="*") for t in traces], len(NGRAM_COLD))
+    assert pooled[("ngram", "*")] == pytest.approx(NGRAM_COLD, abs=0.006)
 
 
 @pytest.mark.parametrize("rates", [(), (0.5, 1.5), (-0.1,)])
@@ -134,3 +140,27 @@ def test_cold_acceptance_must_be_rates(scratch_registry, rates):
     with pytest.raises(ValueError, match="cold_acceptance"):
         register_proposer("odd", "a proposer with impossible rates", cold_acceptance=rates)(_Echo)
     assert "odd" not in registered_proposers()
+
+
+def test_each_builtin_says_its_options_model_and_module():
+    specs = {spec.name: spec for spec in proposer_specs()}
+    assert specs["ngram"].options is NgramOptions and specs["ngram"].always_load
+    assert specs["draft"].model_role == "draft"  # the model.draft setting names its model
+    assert specs["self"].model_role is None
+    assert specs["ngram"].module == "serve_app.engine.proposers.ngram"
+
+
+def test_fallback_is_the_first_proposer_without_a_model():
+    assert fallback_proposer() == "ngram"
+
+
+def test_unknown_name_lists_the_registered():
+    with pytest.raises(ValueError, match="registered proposers: draft, ngram, self"):
+        proposer_spec("nope")
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramOptions(max_ngram=2, min_ngram=3)
+    with pytest.raises(TypeError, match="pydantic model"):
+        register_proposer("bad-options", "x", options=dict)  # type: ignore[arg-type]

@@ -14,15 +14,16 @@ import json
 import pytest
 import torch
 
-from serve_app.engine.engine import EngineConfig, SpecEngine
+from serve_app.engine.engine import SpecEngine
+from serve_app.engine.engine_config import EngineConfig
 from serve_app.engine.model import DecoderModel
-from serve_app.engine.proposers import ProposerContext, ProposeRow, create_proposer
+from serve_app.engine.params import SamplingParams, SpecOverride
+from serve_app.engine.proposers.base import ProposeRow
 from serve_app.engine.proposers.draft_model import DraftModelProposer
 from serve_app.engine.proposers.ngram import NgramProposer
+from serve_app.engine.proposers.registry import ProposerContext, create_proposer
 from serve_app.engine.proposers.self_spec import SelfSpecProposer
 from serve_app.engine.proposers.skip_plan import CALIBRATION_FILE, default_skip, resolve_plan
-from serve_app.engine.request import SpecOverride
-from serve_app.engine.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_tiny_hf_model
 from tests.engine.test_speculative import GREEDY, PROMPTS
 

@@ -14,9 +14,9 @@ from collections import Counter
 
 import pytest
 
-from serve_app.engine.engine import EngineConfig, SpecEngine
-from serve_app.engine.request import SpecOverride
-from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.engine import SpecEngine
+from serve_app.engine.engine_config import EngineConfig
+from serve_app.engine.params import SamplingParams, SpecOverride
 from tests.engine.test_speculative_real import CODE_PROMPTS, assert_equal_or_near_tie
 
 PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)

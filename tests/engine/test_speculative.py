@@ -13,13 +13,13 @@ import random
 
 import pytest
 
-from serve_app.engine.engine import EngineConfig, SpecEngine
+from serve_app.engine.engine import SpecEngine
+from serve_app.engine.engine_config import EngineConfig
 from serve_app.engine.model import DecoderModel
-from serve_app.engine.proposers import Draft, ProposeRow
+from serve_app.engine.params import SamplingParams, SpecOverride
+from serve_app.engine.proposers.base import Draft, ProposeRow
 from serve_app.engine.proposers.draft_model import DraftModelProposer
 from serve_app.engine.proposers.ngram import NgramProposer
-from serve_app.engine.request import SpecOverride
-from serve_app.engine.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_tiny_hf_model
 
 PROMPTS = [

@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 
-from serve_app.engine.engine import EngineConfig, SpecEngine
-from serve_app.engine.proposers import ProposerContext, create_proposer
-from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.engine import SpecEngine
+from serve_app.engine.engine_config import EngineConfig
+from serve_app.engine.params import SamplingParams
+from serve_app.engine.proposers.registry import ProposerContext, create_proposer
 from tests.conftest import pack_path
 
 CODE_PROMPTS = [
@@ -46,7 +47,7 @@ def assert_equal_or_near_tie(
 
 
 def run_pair(engine: SpecEngine, prompts: list[list[int]], mode: str) -> None:
-    from serve_app.engine.request import SpecOverride
+    from serve_app.engine.params import SpecOverride
 
     plain = engine.generate(prompts, GREEDY, [SpecOverride(mode="off")] * len(prompts))
     spec = engine.generate(prompts, GREEDY, [SpecOverride(mode=mode)] * len(prompts))
@@ -68,7 +69,7 @@ def test_smollm2_ngram_bf16(smollm2_path) -> None:
 
 
 def test_smollm2_self_draft_bf16(smollm2_path) -> None:
-    engine = load(smollm2_path, {"draft": {"draft_path": smollm2_path}}, depth=4)
+    engine = load(smollm2_path, {"draft": {"model_path": smollm2_path}}, depth=4)
     prompts = [engine.encode_prompt(p) for p in CODE_PROMPTS]
     run_pair(engine, prompts, "draft")
 
@@ -95,7 +96,7 @@ def test_qwen_self_spec_bf16() -> None:
 def test_qwen_pair_draft_and_ngram_bf16() -> None:
     target = pack_path("qwen2.5-coder-1.5b-instruct")
     draft = pack_path("qwen2.5-coder-0.5b-instruct")
-    engine = load(target, {"draft": {"draft_path": draft}, "ngram": {}}, depth=5)
+    engine = load(target, {"draft": {"model_path": draft}, "ngram": {}}, depth=5)
     prompts = [engine.encode_prompt(CODE_PROMPTS[0]), engine.encode_prompt(CHAT_PROMPTS[0], chat=True)]
     run_pair(engine, prompts, "draft")
     run_pair(engine, prompts[:1], "ngram")
@@ -112,7 +113,7 @@ def test_draft_with_another_tokenizer_is_refused(smollm2_path) -> None:
         engine.tokenizer,
         1,
         64,
-        {"draft_path": qwen_draft, "draft_name": "qwen-0.5b", "target_name": "smollm2"},
+        {"model_path": qwen_draft, "model_name": "qwen-0.5b", "target_name": "smollm2"},
     )
     expected = r"qwen-0\.5b does not share the tokenizer of target smollm2"
     with pytest.raises(DraftMismatchError, match=expected):

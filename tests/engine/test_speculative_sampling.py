@@ -17,12 +17,14 @@ from scipy.stats import chisquare
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from serve_app.engine.engine import EngineConfig, SpecEngine
+from serve_app.engine.engine import SpecEngine
+from serve_app.engine.engine_config import EngineConfig
 from serve_app.engine.model import DecoderModel
+from serve_app.engine.params import SamplingParams
 from serve_app.engine.proposers.draft_model import DraftModelProposer
 from serve_app.engine.proposers.ngram import NgramProposer
 from serve_app.engine.proposers.self_spec import SelfSpecProposer
-from serve_app.engine.sampling import SamplingParams, process_logits
+from serve_app.engine.sampling import process_logits
 from tests.conftest import make_tiny_hf_model
 
 VOCAB = 16

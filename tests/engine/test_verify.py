@@ -6,7 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from serve_app.engine.sampling import SamplingParams, make_generator, process_logits, sample
+from serve_app.engine.params import SamplingParams
+from serve_app.engine.sampling import make_generator, process_logits, sample
 from serve_app.engine.verify import VerifyOutput, acceptance_probability, residual_distribution, verify
 
 GREEDY = SamplingParams(temperature=0.0)

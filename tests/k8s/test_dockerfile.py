@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from serve_app import k8s_config
+from deploy import manifest
 from tests.k8s.helpers import REPO
 
 
@@ -54,7 +54,7 @@ def test_torch_is_the_makefiles_pin_from_the_cpu_index() -> None:
 
 
 def test_ray_version_is_the_rayservices() -> None:
-    assert args()["RAY_VERSION"] == k8s_config.RAY_VERSION
+    assert args()["RAY_VERSION"] == manifest.RAY_VERSION
     runs = " ".join(rest for word, rest in instructions() if word == "RUN")
     assert 'echo "ray==${RAY_VERSION}"' in runs and "PIP_CONSTRAINT=" in runs
     assert "assert ray.__version__ == '${RAY_VERSION}'" in runs
@@ -63,7 +63,7 @@ def test_ray_version_is_the_rayservices() -> None:
 def test_runtime_runs_as_the_pods_user_with_the_venv_on_path() -> None:
     steps = instructions()
     runtime = steps[[i for i, (w, _) in enumerate(steps) if w == "FROM"][1] :]
-    assert ("USER", str(k8s_config.RAY_UID)) in runtime
+    assert ("USER", str(manifest.RAY_UID)) in runtime
     assert any(w == "COPY" and "--from=build" in r and "/app /app" in r for w, r in runtime)
     assert any(w == "ENV" and "PATH=/app/.venv/bin:$PATH" in r for w, r in runtime)
     # KubeRay's `bash -lc ray start ...`: a login shell must find the venv as well

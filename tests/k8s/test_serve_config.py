@@ -3,7 +3,7 @@
 serveConfigV2's ``args`` are the overlay's settings; its deployment options are exactly what
 ``serve_app.app.deployment_options`` / ``ingress_options`` compute from them; the cluster's shape
 (worker pods, CPUs, GPUs, port, cache volume) follows them; the pods' SPECSERVE_* variables are
-real Settings fields; and the committed files equal what ``serve_app.k8s_config`` renders.
+real Settings fields; and the committed files equal what ``deploy.kuberay`` renders.
 """
 
 from __future__ import annotations
@@ -19,16 +19,18 @@ import yaml
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app import k8s_config
+from deploy import kuberay, manifest, profiles
+from deploy.fetch_models import fetch_models
+from deploy.serve_config import check_serve_config, settings_from
 from serve_app.app import (
     ENGINE_DEPLOYMENT,
     INGRESS_DEPLOYMENT,
     build_app,
     deployment_options,
     ingress_options,
-    settings_from_args,
 )
-from serve_app.config import Settings
+from serve_app.builder import models_needed
+from serve_app.config import Settings, build_settings
 from tests.k8s.helpers import K8S, OVERLAYS, REPO, find, pod_templates
 
 
@@ -57,7 +59,7 @@ def test_serve_config_validates_with_rays_schemas(serve_config: dict[str, Any], 
     ServeDeploySchema.model_validate(serve_config)
     engine = deployments(serve_config)[ENGINE_DEPLOYMENT]
     AutoscalingConfig.model_validate(engine["autoscaling_config"])
-    assert k8s_config.check_serve_config(serve_config, k8s_config.PROFILES[overlay]) == []
+    assert check_serve_config(serve_config, profiles.PROFILES[overlay]) == []
 
 
 def test_serve_config_imports_build_app(serve_config: dict[str, Any]) -> None:
@@ -87,7 +89,7 @@ def test_engine_options_are_deployment_options_of_the_args(
         if option != "ray_actor_options":
             assert engine[option] == value, option
     actor = dict(engine["ray_actor_options"])
-    gpus = k8s_config.PROFILES[overlay].gpus_per_replica
+    gpus = profiles.PROFILES[overlay].gpus_per_replica
     # Settings has no GPU field yet: the profile adds num_gpus, and nothing else
     if gpus and "num_gpus" not in expected["ray_actor_options"]:
         assert actor.pop("num_gpus") == gpus
@@ -128,7 +130,7 @@ def test_build_app_accepts_the_args_with_the_pods_env_and_starts_nothing(
     application = build_app(app["args"])
     assert isinstance(application, serve.Application)
     assert ray.is_initialized() == was_initialized  # building an Application starts no Ray
-    settings = settings_from_args(app["args"])
+    settings = build_settings(app["args"])
     engine = deployments(serve_config)[ENGINE_DEPLOYMENT]
     assert deployment_options(settings)["autoscaling_config"] == engine["autoscaling_config"]
     # The settings the replicas receive: env for the endpoints, args for everything else.
@@ -136,10 +138,10 @@ def test_build_app_accepts_the_args_with_the_pods_env_and_starts_nothing(
     if bound is None:
         pytest.skip("this Ray's Application hides its bound deployment")
     replica_settings = Settings(**bound.init_args[1])
-    assert replica_settings.telemetry.otlp_endpoint == k8s_config.OTLP_ENDPOINT
+    assert replica_settings.telemetry.otlp_endpoint == manifest.OTLP_ENDPOINT
     if "stats" in Settings.model_fields:
-        assert replica_settings.stats.redis_url == k8s_config.REDIS_URL
-    assert replica_settings.model == settings_from_args(app["args"]).model
+        assert replica_settings.stats.redis_url == manifest.REDIS_URL
+    assert replica_settings.model == build_settings(app["args"]).model
 
 
 # --------------------------------------------------------------------------------- environment
@@ -184,13 +186,36 @@ def test_fetch_init_container_fetches_the_served_models(
 ) -> None:
     (app,) = serve_config["applications"]
     served = Settings(**app["args"])
-    (fetch,) = containers(rayservice, k8s_config.WORKER_GROUP, init=True)
-    assert fetch["command"] == ["python", "-m", "serve_app.k8s_config", "fetch-models"]
+    (fetch,) = containers(rayservice, manifest.WORKER_GROUP, init=True)
+    assert fetch["command"] == ["python", "-m", "deploy.kuberay", "fetch-models"]
     for name, value in specserve_env(fetch).items():
         clean_env.setenv(name, value)
     fetched = Settings()
-    assert k8s_config.model_refs(fetched) == k8s_config.model_refs(served)
+    assert models_needed(fetched) == models_needed(served)
     assert fetched.store.cache_dir == served.store.cache_dir
+
+
+def test_fetch_init_container_fetches_the_models_of_extra_proposers(
+    overlay: str, overlay_args: dict[str, Any], clean_env: pytest.MonkeyPatch
+) -> None:
+    """A replica that speculates with a model-free proposer but also loads one that drafts with a
+    model (``extra_proposers``): the init container fetches that model too."""
+    from serve_app.engine.proposers.registry import fallback_proposer, proposer_specs
+
+    with_model = [s.name for s in proposer_specs() if s.model_role]
+    speculation = {
+        **overlay_args["speculation"],
+        "method": fallback_proposer(),
+        "extra_proposers": with_model,
+    }
+    args = {**overlay_args, "speculation": speculation}
+    served = settings_from(args)
+    assert len(models_needed(served)) > 1  # the target and the extra proposers' models
+    rendered = manifest.rayservice(args, profiles.PROFILES[overlay], kuberay.project_version())
+    (fetch,) = containers(rendered, manifest.WORKER_GROUP, init=True)
+    for name, value in specserve_env(fetch).items():
+        clean_env.setenv(name, value)
+    assert models_needed(Settings()) == models_needed(served)
 
 
 # --------------------------------------------------------------------------------- cluster shape
@@ -225,26 +250,26 @@ def test_model_cache_volume_is_the_store(
 ) -> None:
     (app,) = serve_config["applications"]
     cache_dir = str(Settings(**app["args"]).store.cache_dir)
-    spec = pod_templates(rayservice)[k8s_config.WORKER_GROUP]["spec"]
+    spec = pod_templates(rayservice)[manifest.WORKER_GROUP]["spec"]
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == k8s_config.MODEL_CACHE_CLAIM
+    assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == manifest.MODEL_CACHE_CLAIM
     for container in spec["containers"] + spec["initContainers"]:
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
         assert mounts["model-cache"] == cache_dir, container["name"]
         assert env_dict(container)["HF_HOME"].startswith(cache_dir + "/"), container["name"]
-    assert spec["securityContext"]["fsGroup"] == k8s_config.RAY_UID  # the image's user can write
+    assert spec["securityContext"]["fsGroup"] == manifest.RAY_UID  # the image's user can write
 
 
 def test_endpoints_point_at_the_base_services(
     rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     docs = rendered[overlay]
-    redis = urlparse(k8s_config.REDIS_URL)
+    redis = urlparse(manifest.REDIS_URL)
     assert redis.scheme == "redis"
     redis_service = find(docs, "Service", redis.hostname)
     assert redis.port in [p["port"] for p in redis_service["spec"]["ports"]]
 
-    otlp = urlparse(k8s_config.OTLP_ENDPOINT)
+    otlp = urlparse(manifest.OTLP_ENDPOINT)
     collector = find(docs, "Service", otlp.hostname)
     ports = {p["name"]: p["port"] for p in collector["spec"]["ports"]}
     args = yaml.safe_load((K8S / "overlays" / overlay / "settings.yaml").read_text())
@@ -264,8 +289,8 @@ def test_endpoints_point_at_the_base_services(
 
 
 def test_image_is_the_project_version(rayservice: dict[str, Any], overlay: str) -> None:
-    version = k8s_config.project_version()
-    suffix = k8s_config.PROFILES[overlay].image_tag_suffix
+    version = kuberay.project_version()
+    suffix = profiles.PROFILES[overlay].image_tag_suffix
     for group in pod_templates(rayservice):
         for container in containers(rayservice, group) + containers(rayservice, group, init=True):
             assert container["image"] == f"specserve:{version}{suffix}"
@@ -277,14 +302,14 @@ def test_image_is_the_project_version(rayservice: dict[str, Any], overlay: str) 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_committed_rayservice_is_the_rendering(name: str) -> None:
     committed = (K8S / "overlays" / name / "rayservice.yaml").read_text()
-    fix = f"python -m serve_app.k8s_config --overlay {name} --write"
-    assert committed == k8s_config.render(name), f"k8s/overlays/{name}/rayservice.yaml is stale: {fix}"
+    fix = f"python -m deploy.kuberay --overlay {name} --write"
+    assert committed == kuberay.render(name), f"k8s/overlays/{name}/rayservice.yaml is stale: {fix}"
 
 
 def test_cli_prints_the_rendering(capsys: pytest.CaptureFixture[str]) -> None:
-    assert k8s_config.main(["--overlay", "cpu"]) == 0
+    assert kuberay.main(["--overlay", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert out == k8s_config.render("cpu")
+    assert out == kuberay.render("cpu")
     assert yaml.safe_load(out)["kind"] == "RayService"
 
 
@@ -292,15 +317,15 @@ def test_check_detects_a_hand_edited_file(tmp_path: Path, capsys: pytest.Capture
     root = tmp_path / "repo"
     shutil.copytree(K8S, root / "k8s")
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
-    assert k8s_config.main(["--all", "--check", "--root", str(root)]) == 0
+    assert kuberay.main(["--all", "--check", "--root", str(root)]) == 0
     target = root / "k8s" / "overlays" / "cpu" / "rayservice.yaml"
     target.write_text(target.read_text().replace("max_ongoing_requests: 10", "max_ongoing_requests: 99"))
-    assert k8s_config.main(["--all", "--check", "--root", str(root)]) == 1
+    assert kuberay.main(["--all", "--check", "--root", str(root)]) == 1
     assert "stale" in capsys.readouterr().err
     # a settings change re-renders the whole RayService consistently
     settings = root / "k8s" / "overlays" / "cpu" / "settings.yaml"
     settings.write_text(settings.read_text().replace("max_replicas: 4", "max_replicas: 6"))
-    assert k8s_config.main(["--overlay", "cpu", "--write", "--root", str(root)]) == 0
+    assert kuberay.main(["--overlay", "cpu", "--write", "--root", str(root)]) == 0
     rendered = yaml.safe_load(target.read_text())
     assert rendered["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"] == 6
     engine = deployments(yaml.safe_load(rendered["spec"]["serveConfigV2"]))[ENGINE_DEPLOYMENT]
@@ -310,7 +335,7 @@ def test_check_detects_a_hand_edited_file(tmp_path: Path, capsys: pytest.Capture
 def test_rendering_ignores_the_callers_environment(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("SPECSERVE_CACHE__MAX_SLOTS", "3")
     clean_env.setenv("SPECSERVE_AUTOSCALING__MAX_REPLICAS", "9")
-    assert k8s_config.render("cpu") == (K8S / "overlays" / "cpu" / "rayservice.yaml").read_text()
+    assert kuberay.render("cpu") == (K8S / "overlays" / "cpu" / "rayservice.yaml").read_text()
 
 
 # --------------------------------------------------------------------------------- init container
@@ -319,7 +344,7 @@ def test_rendering_ignores_the_callers_environment(clean_env: pytest.MonkeyPatch
 def test_fetch_models_resolves_target_and_draft(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, clean_env: pytest.MonkeyPatch
 ) -> None:
-    from serve_app.engine import store
+    from serve_app import builder
 
     resolved: list[str] = []
 
@@ -331,18 +356,18 @@ def test_fetch_models_resolves_target_and_draft(
             resolved.append(ref)
             return tmp_path / ref
 
-    monkeypatch.setattr(store, "ModelStore", FakeStore)
+    monkeypatch.setattr(builder, "ModelStore", FakeStore)  # what model_store builds
     clean_env.setenv("SPECSERVE_STORE__CACHE_DIR", str(tmp_path))
     clean_env.setenv("SPECSERVE_MODEL__TARGET", "t")
     clean_env.setenv("SPECSERVE_MODEL__DRAFT", "d")
-    assert k8s_config.main(["fetch-models"]) == 0
+    assert kuberay.main(["fetch-models"]) == 0
     assert resolved == ["t", "d"]
     clean_env.setenv("SPECSERVE_SPECULATION__METHOD", "ngram")  # no draft model to fetch
-    assert k8s_config.fetch_models() == [tmp_path / "t"]
+    assert fetch_models() == [tmp_path / "t"]
 
 
 def test_both_overlays_are_profiled() -> None:
-    assert set(k8s_config.PROFILES) == set(OVERLAYS)
+    assert set(profiles.PROFILES) == set(OVERLAYS)
 
 
 def test_a_self_speculative_replica_needs_no_draft_model(
@@ -350,19 +375,22 @@ def test_a_self_speculative_replica_needs_no_draft_model(
 ) -> None:
     """`model.draft: null` with `speculation.method: self`: the overlay renders and validates, the
     init container fetches the target only, and the engine loads the self-speculative proposer."""
-    from serve_app.cli import engine_config
+    from deploy.serve_config import serve_config as build_serve_config
+    from serve_app.builder import engine_config, model_store, proposer_options
 
     args = {**overlay_args, "model": {**overlay_args["model"], "draft": None},
             "speculation": {**overlay_args.get("speculation", {}), "method": "self"}}  # fmt: skip
-    profile = k8s_config.PROFILES[overlay]
-    config = k8s_config.serve_config(args, profile)
+    profile = profiles.PROFILES[overlay]
+    config = build_serve_config(args, profile)
     ServeDeploySchema.model_validate(config)
-    assert k8s_config.check_serve_config(config, profile) == []
-    (fetch,) = containers(k8s_config.rayservice(args, profile), k8s_config.WORKER_GROUP, init=True)
+    assert check_serve_config(config, profile) == []
+    version = kuberay.project_version()
+    (fetch,) = containers(manifest.rayservice(args, profile, version), manifest.WORKER_GROUP, init=True)
     env = specserve_env(fetch)
     assert "SPECSERVE_MODEL__DRAFT" not in env and env["SPECSERVE_SPECULATION__METHOD"] == "self"
     for name, value in env.items():
         clean_env.setenv(name, value)
-    assert k8s_config.model_refs(Settings()) == [args["model"]["target"]]
-    engine = engine_config(k8s_config.settings_from(args))
+    assert models_needed(Settings()) == [args["model"]["target"]]
+    settings = settings_from(args)
+    engine = engine_config(settings, *proposer_options(settings, model_store(settings)))
     assert engine.spec_method == "self" and set(engine.proposer_options) == {"self", "ngram"}

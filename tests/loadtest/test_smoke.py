@@ -25,7 +25,7 @@ def test_smoke_matrix_report_is_consistent(tmp_path: Path, smollm2_path: Path) -
     command = [
         sys.executable,
         "-m",
-        "serve_app.cli",
+        "specserve.cli",
         "loadtest",
         "--model",
         MODEL,

@@ -81,7 +81,7 @@ def test_draft_fit_and_unknown_proposers():
     model.fit_draft("draft", data)
     assert model.draft["draft"] == pytest.approx((0.030, 0.006, 1e-6), rel=1e-6)
     report = model.fit_report([], {"draft": [(3, 500, 0.030 + 0.018 + 0.0015)]})
-    assert report["draft"]["draft"]["mean_abs_pct_error"] < 1e-6
+    assert report["draft_steps"]["draft"]["mean_abs_pct_error"] < 1e-6
     assert model.draft_prefill_time("draft", 130) == pytest.approx(3 * model.draft_time("draft", 1, 130))
 
 
@@ -187,9 +187,7 @@ def test_online_correction_learns_each_small_width_on_its_own():
     assert model.target_time(1, 5, 200) / five == pytest.approx(model.target_factor[0], rel=1e-9)
 
 
-def test_a_version_1_dict_still_loads_without_its_old_buckets():
-    old = {"version": 1, "knee": 4, "target": [0.13, 0.005, 0.0, 1e-6], "draft": {"draft": [0.03, 0.0, 0.0]},
-           "target_factor": [1.2, [2.0] * 8], "draft_factor": {"draft": [1.0, [1.0] * 8]}}  # fmt: skip
-    model = FittedCostModel.from_dict(old)
-    assert model.shape == {}
-    assert model.target_time(1, 1, 0) == pytest.approx(0.13 * 1.2)  # global kept, buckets reset
+def test_an_older_version_is_refused_so_a_replica_profiles_again():
+    old = {"version": 2, "knee": 4, "target": [0.13, 0.005, 0.0, 1e-6], "draft": {"d": [0.03, 0.0, 0.0]}}
+    with pytest.raises(ValueError, match="version 2"):
+        FittedCostModel.from_dict(old)

@@ -112,7 +112,7 @@ def test_the_shipped_qwen_traces_cover_every_kind_and_proposer():
     assert kinds == {"code", "json", "chat", "prose"}
     assert all({"draft", "ngram"} <= set(t.matches) for t in traces.traces)
     assert all(len(m) == t.output_len for t in traces.traces for m in t.matches.values())
-    assert traces.cost_model["target"][0] > 0 and "draft" in traces.cost_model["draft"]
+    assert traces.cost_model["target"][0] > 0 and "draft" in traces.cost_model["draft_steps"]
 
     # the draft model agrees with the target far more on code than on prose
     def mean_match(kind: str) -> float:

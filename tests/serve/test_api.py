@@ -22,8 +22,8 @@ from opentelemetry.trace import StatusCode
 
 from serve_app.api import create_app
 from serve_app.config import ServerSettings
-from serve_app.engine.request import SpecOverride
-from serve_app.generation import EngineInfo, GenerateChunk, GenerateError, GenerateRequest
+from serve_app.engine.params import SpecOverride
+from serve_app.wire import EngineInfo, GenerateChunk, GenerateError, GenerateRequest
 
 MODEL = "tiny-model"
 SPEC = {

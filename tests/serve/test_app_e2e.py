@@ -20,10 +20,11 @@ import requests
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
-from serve_app.app import RayEngineClient, build_app, deployment_options, ingress_options, settings_from_args
+from serve_app.app import build_app, deployment_options, ingress_options
 from serve_app.config import Settings
-from serve_app.engine.sampling import SamplingParams
-from serve_app.generation import GenerateChunk, GenerateRequest
+from serve_app.engine.params import SamplingParams
+from serve_app.handle_client import RayEngineClient
+from serve_app.wire import GenerateChunk, GenerateRequest
 
 APP = "specserve-e2e"
 MODEL = "smollm2"
@@ -74,19 +75,10 @@ def test_deployment_options_follow_settings() -> None:
         deployment_options(Settings(autoscaling={"min_replicas": 3, "max_replicas": 2}))
 
 
-def test_build_app_arguments() -> None:
-    settings = settings_from_args(
-        {"model": {"target": "x"}, "cache.max_slots": "4", "server__port": 9000, "max_seq_len": 256}
-    )
-    assert settings.model.target == "x" and settings.model.draft == Settings().model.draft
-    assert (settings.cache.max_slots, settings.cache.max_seq_len, settings.server.port) == (4, 256, 9000)
-    with pytest.raises(ValueError, match=r"cache\.max_slots"):
-        settings_from_args({"cache": {"max_slots": 0}})
-    with pytest.raises(ValueError, match="bogus"):
-        settings_from_args({"model": {"bogus": 1}})
-    with pytest.raises(ValueError, match="nonsense"):
-        settings_from_args({"nonsense": 1})
+def test_build_app_validates_its_arguments() -> None:
     assert isinstance(build_app({"model.target": "x"}), serve.Application)  # builds, starts nothing
+    with pytest.raises(ValueError, match=r"cache\.max_slots"):
+        build_app({"cache": {"max_slots": 0}})
 
 
 class FakeResponse:
@@ -129,13 +121,13 @@ def test_ray_engine_client_cancels_the_replica_call_when_closed_early() -> None:
     chunks = [GenerateChunk("r", "a"), GenerateChunk("r", "b"), GenerateChunk("r", "c", finished=True)]
 
     async def first_only(response: FakeResponse) -> list[GenerateChunk]:
-        gen = RayEngineClient(FakeHandle(response)).generate(request)
+        gen = RayEngineClient(FakeHandle(response), "EngineDeployment").generate(request)
         got = [await gen.__anext__()]
         await gen.aclose()
         return got
 
     async def everything(response: FakeResponse) -> list[GenerateChunk]:
-        return [c async for c in RayEngineClient(FakeHandle(response)).generate(request)]
+        return [c async for c in RayEngineClient(FakeHandle(response), "EngineDeployment").generate(request)]
 
     early = FakeResponse(chunks)
     assert [c.text for c in asyncio.run(first_only(early))] == ["a"] and early.cancelled
@@ -163,7 +155,12 @@ def base_url(smollm2_path, serve_http: str) -> Iterator[str]:
         # static: every "auto" request drafts with the draft model. (goodput, the default, would
         # rightly prefer the free n-gram proposer here: SmolLM2 drafting for itself costs as much
         # as the target.)
-        "speculation": {"method": "draft", "depth": 4, "draft_int8": False, "policy": "static"},
+        "speculation": {
+            "method": "draft",
+            "depth": 4,
+            "policy": "static",
+            "proposers": {"draft": {"int8": False}},
+        },
         "server": {"api_key": KEY, "served_model_name": MODEL, "max_tokens_limit": MAX_TOKENS_LIMIT},
         "autoscaling": {"replica_num_cpus": 1, "max_queued_requests": 16},
     }

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,6 @@ class LookaheadProposer(Protocol):
 
     def lookahead(self, row: ProposeRow) -> int:
         """Tokens ``propose`` would draft for ``row`` now (at most ``row.depth``)."""
-
 
 
 def needs_prefill(proposer: object) -> bool:

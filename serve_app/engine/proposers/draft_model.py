@@ -24,7 +24,7 @@ import torch
 from serve_app.engine.model import DecoderModel, DraftOptions
 from serve_app.engine.proposers.base import Draft, ProposeRow
 from serve_app.engine.proposers.choice import choose_tokens
-from serve_app.engine.proposers.registry import ProposerContext, register_proposer
+from serve_app.engine.proposers.registry import ProposerContext
 
 log = logging.getLogger(__name__)
 
@@ -171,15 +171,14 @@ def frequent_token_ids(tokenizer: object, count: int) -> tuple[int, ...]:
     return tuple(sorted(set(range(count)) | special))
 
 
-@register_proposer("draft", "a smaller model of the same family drafts tokens autoregressively")
 def build_draft_proposer(context: ProposerContext) -> DraftModelProposer:
-    """Options: ``draft_path`` (a model folder), ``draft_name`` / ``target_name`` (for messages),
+    """Options: ``model_path`` (a model folder), ``model_name`` / ``target_name`` (for messages),
     ``dtype``, ``int8`` (int8 weight-only draft layers), ``head_tokens`` (keep only this many of
     the most frequent tokens in the draft's output head; 0 = all), ``min_confidence``."""
     from transformers import AutoTokenizer
 
-    path = Path(str(context.options["draft_path"]))
-    name = str(context.options.get("draft_name", path))
+    path = Path(str(context.options["model_path"]))
+    name = str(context.options.get("model_name", path))
     target = context.target
     dtype = context.options.get("dtype", target.dtype)
     check_compatible(context.tokenizer, AutoTokenizer.from_pretrained(path), str(context.options.get(

@@ -26,17 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from serve_app.engine.proposers.base import Draft, ProposeRow
-from serve_app.engine.proposers.registry import ProposerContext, register_proposer
+from serve_app.engine.proposers.registry import ProposerContext
 
 DEFAULT_MAX_NGRAM = 4
 DEFAULT_MIN_NGRAM = 2
-# What a policy assumes before any statistics (``register_proposer``'s ``cold_acceptance``): the
-# conditional acceptance per draft position GIVEN A MATCH, pooled over every request of the shipped
-# Qwen traces (``policies/traces``, all workloads; ``tests/engine/test_registry.py`` checks it).
-# A lookup without a match is never asked to draft (``lookahead``), so this is what the estimator
-# learns. (Before lookahead, empty lookups counted as first-position rejections and position 0
-# was 0.13; the generic default of 0.7 from position 0 is too high for the first copied token.)
-COLD_ACCEPTANCE = (0.50, 0.61, 0.62, 0.70, 0.67, 0.71, 0.71)
 
 
 @dataclass
@@ -139,10 +132,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@register_proposer(
-    "ngram",
-    "prompt lookup: copy what followed the latest earlier match of the last n tokens",
-    cold_acceptance=COLD_ACCEPTANCE,
-)
-def _build_ngram(context: ProposerContext) -> NgramProposer:
+def build_ngram_proposer(context: ProposerContext) -> NgramProposer:
+    """The registry's factory: options ``max_ngram`` and ``min_ngram``."""
     return NgramProposer.from_options(context.options)

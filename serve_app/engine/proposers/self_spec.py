@@ -40,7 +40,7 @@ from serve_app.engine.kv_cache import KVCache
 from serve_app.engine.model import DecoderModel
 from serve_app.engine.proposers.base import Draft, ProposeRow
 from serve_app.engine.proposers.choice import choose_tokens
-from serve_app.engine.proposers.registry import ProposerContext, register_proposer
+from serve_app.engine.proposers.registry import ProposerContext
 from serve_app.engine.proposers.skip_plan import SkipPlan, check_skip, resolve_plan
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,6 @@ def plan_for(context: ProposerContext) -> SkipPlan:
                         None if folder is None else Path(folder))  # fmt: skip
 
 
-@register_proposer("self", "the target drafts for itself through a subset of its layers (no second model)")
 def build_self_spec_proposer(context: ProposerContext) -> SelfSpecProposer:
     """Options: ``skip_layers`` (overrides the stored calibration), ``min_confidence``.
 

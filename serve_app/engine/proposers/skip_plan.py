@@ -1,7 +1,7 @@
 """Which layers the self-speculative draft skips: the calibrated set stored with the model, a set
 shipped with specserve for the known packs, or a default.
 
-A calibration (``serve_app.engine.calibration``, run by ``specserve calibrate self-spec``) writes
+A calibration (``loadtest.calibrate.self_spec``, run by ``specserve calibrate self-spec``) writes
 ``specserve-self-spec.json`` into the model's folder in the store, so every replica that loads the
 model finds it. ``resolve_plan`` picks, in order:
 

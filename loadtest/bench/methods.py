@@ -1,0 +1,103 @@
+"""`specserve bench`'s own methods: our engine, one request at a time, each request choosing its
+proposer and depth through its speculation override (names: ``loadtest.bench.method_names``).
+
+All share one engine (``loadtest.bench.engine``), built as ``specserve serve`` builds it (each
+proposer's options from the settings), except two: a layer-skipping proposer drafts in its own
+engine's KV cache (``loadtest.bench.self_spec``), and ``specserve-auto`` runs on a second engine
+over the same weights under the configured policy (``auto_method``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from loadtest.bench.method_names import AUTO, Family, parse_method
+from loadtest.bench.results import Method, Run
+from loadtest.bench.self_spec import self_spec_engine
+from serve_app.config import OFF, Settings
+from serve_app.engine.proposers.registry import proposer_spec
+
+
+def specserve_method(engine: Any, n: int, name: str, mode: str = OFF, depth: int | None = None,
+                     description: str = "") -> Method:  # fmt: skip
+    """Our engine, one request at a time, with this speculation override (mode ``OFF`` = plain)."""
+    from serve_app.engine.params import SamplingParams, SpecOverride
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    speculation = SpecOverride(mode, max_depth=depth)
+
+    def run(ids: list[int]) -> Run:
+        start = time.perf_counter()
+        done = engine.generate([ids], params, [speculation])[0]
+        seconds = time.perf_counter() - start
+        ttft, stats = done.time_to_first_token, done.spec_stats
+        counts = (stats.drafted, stats.accepted, stats.spec_steps) if mode != OFF and stats else (None,) * 3
+        return Run(done.token_ids, seconds, None if ttft is None else done.duration - ttft, *counts)
+
+    return Method(name, run, description=description)
+
+
+def proposer_note(settings: Settings, proposer: str) -> str:
+    """The proposer as configured: its model (if it drafts with one) and its options."""
+    role = proposer_spec(proposer).model_role
+    model = f" {getattr(settings.model, role)}" if role else ""
+    options = getattr(settings.speculation.proposers, proposer).model_dump()
+    listed = ", ".join(f"{k}={v}" for k, v in options.items())
+    return f"{proposer}{model}" + (f" ({listed})" if listed else "")
+
+
+def our_methods(names: list[str], engine: Any, settings: Settings, n: int) -> list[Method]:
+    """Our methods among ``names``, on the shared engine (see the module docstring)."""
+    from loadtest.bench.engine import target_folder
+
+    spec = settings.speculation
+    methods = []
+    for name in names:
+        method = parse_method(name)
+        if method is None or method.family is Family.TRANSFORMERS:
+            continue
+        if method.family is Family.AUTO:
+            methods.append(auto_method(engine, settings, n))
+        elif method.family is Family.PLAIN:
+            methods.append(specserve_method(engine, n, name, OFF, description="our engine, plain decoding"))
+        elif method.family is Family.LAYERS:
+            own, depth, note = self_spec_engine(engine, method.proposer, target_folder(settings), spec.depth,
+                                                method.default_plan, method.depth)  # fmt: skip
+            methods.append(specserve_method(own, n, name, method.proposer, depth, note))
+        else:  # a model-based proposer at the method's depth, a lookup at the settings'
+            depth = method.depth or spec.depth
+            note = f"our engine, {proposer_note(settings, method.proposer)}, depth {depth}"
+            methods.append(specserve_method(engine, n, name, method.proposer, depth, note))
+    return methods
+
+
+def auto_method(engine: Any, settings: Settings, n: int) -> Method:
+    """Requests that leave speculation to the server ("auto"): the configured policy with its cost
+    model profiled on these models, as a replica starts. A second engine over the same weights and
+    proposers (its own KV cache, in which a layer-skipping proposer drafts), used one request at a
+    time. Its default proposer is a replica's: the configured method when loaded, else the first
+    loaded proposer that drafts with a model, else the first loaded."""
+    from dataclasses import replace
+
+    from serve_app.engine.engine import SpecEngine
+    from serve_app.engine.proposers.base import ModelDrafter
+    from serve_app.engine.proposers.self_spec import SelfSpecProposer
+
+    spec = settings.speculation
+    loaded = list(engine.proposers)
+    drafters = [p for p in loaded if isinstance(engine.proposers[p], ModelDrafter)]
+    method = next(iter([spec.method] if spec.method in loaded else [*drafters, *loaded]), None)
+    config = replace(
+        engine.config, spec_method=method, policy=spec.policy, policy_params=dict(spec.policy_params)
+    )
+    proposers, cache = dict(engine.proposers), None
+    for name, proposer in engine.proposers.items():
+        if isinstance(proposer, SelfSpecProposer):  # it drafts in its engine's cache: the new one's
+            cache = cache or engine.model.new_cache(config.max_slots, config.max_seq_len)
+            proposers[name] = SelfSpecProposer(engine.model, cache, proposer.skip, proposer.min_confidence)
+    auto = SpecEngine(engine.model, engine.tokenizer, config, engine.eos_ids, proposers, cache=cache)
+    if spec.profile_cost_model:
+        auto.profile_cost_model()
+    note = f'our engine, speculation "auto": policy {spec.policy} over {", ".join(auto.proposers)}'
+    return specserve_method(auto, n, AUTO, "auto", None, note)

@@ -1,0 +1,62 @@
+"""What ``specserve bench`` measures: a method, its timed runs, the whole result the reports read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadtest.bench.sweeps import CostCurve, Sweep
+from loadtest.catalogue import Prompt
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed generation of one method."""
+
+    token_ids: list[int]
+    seconds: float  # whole request, prefill included
+    decode_seconds: float | None = None  # after the first token, where the method can tell
+    drafted: int | None = None  # speculation (our speculative methods only): draft tokens verified
+    accepted: int | None = None  # draft tokens the target kept
+    spec_steps: int | None = None  # decode steps that verified a non-empty draft
+
+
+@dataclass(frozen=True)
+class Method:
+    """A way to generate: ``run(prompt ids) -> Run``; ``close()`` frees what it holds."""
+
+    name: str
+    run: Callable[[list[int]], Run]
+    close: Callable[[], None] = lambda: None
+    description: str = ""  # one line for the report
+
+
+@dataclass
+class PromptResult:
+    """Every timed run of every method on one prompt."""
+
+    prompt: Prompt
+    prompt_tokens: int
+    runs: dict[str, list[Run]] = field(default_factory=dict)  # method -> timed runs (no warm-up)
+
+
+@dataclass
+class BenchResult:
+    """A whole benchmark run: what the report builders (``loadtest.bench.report``) read."""
+
+    command: list[str]
+    model: str
+    dtype: str
+    max_tokens: int
+    repeats: int
+    methods: list[str]  # in report order; specserve-plain (else the first) is the identity reference
+    prompts: list[PromptResult]
+    bytes_per_token: int  # weights read per decoded token (``loadtest.bench.machine``)
+    kv_bytes_per_position: int  # KV cache bytes read per context position per decoded token
+    copy_bandwidth: float  # bytes/s, read + write
+    machine: dict[str, Any]
+    draft: str | None = None  # the draft model, when a method or the sweep used it
+    method_notes: dict[str, str] = field(default_factory=dict)  # method -> what exactly it runs
+    sweep: Sweep | None = None
+    cost_curve: CostCurve | None = None

@@ -1,0 +1,59 @@
+"""The options of the built-in proposers (``speculation.proposers.<name>.*`` in the settings).
+
+Pydantic models without torch, so that the settings can validate them in the HTTP process. Each
+proposer's factory receives its options dumped into ``ProposerContext.options``.
+"""
+
+from __future__ import annotations
+
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoOptions(_Options):
+    """A proposer without options."""
+
+
+class DraftModelOptions(_Options):
+    int8: bool = Field(True, description="Draft model layers as int8 (half the bytes per draft step).")
+    head_tokens: int = Field(
+        32768,
+        ge=0,
+        description="Keep only this many most frequent tokens in the draft's output head (0 = all).",
+    )
+    min_confidence: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="A greedy draft stops early once its top token's probability falls below this.",
+    )
+
+
+class NgramOptions(_Options):
+    max_ngram: int = Field(4, ge=1, le=16, description="Longest suffix the lookup matches.")
+    min_ngram: int = Field(2, ge=1, le=16, description="Shortest suffix the lookup matches.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) is greater than max_ngram ({self.max_ngram})")
+        return self
+
+
+class SelfSpecOptions(_Options):
+    skip_layers: list[int] | None = Field(
+        None,
+        description="Layers the self-speculative draft skips; null = the calibration stored with the model "
+        "(`specserve calibrate self-spec`), else the shipped one, else a default.",
+    )
+    min_confidence: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="A greedy draft stops early once its top token's probability falls below this.",
+    )

@@ -1,0 +1,111 @@
+"""``specserve serve``: the Ray Serve application on a local Ray cluster, until Ctrl-C.
+
+Starts (or joins, through ``RAY_ADDRESS``) a local cluster, never ``ray start --head``: port 6379
+is Redis's on our machines. Fetches the models first, where their progress shows, deploys
+``serve_app.app.build_app`` and prints the URL once the engine replica answers ``/health``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from serve_app.builder import model_store, models_needed, served_model_name
+from serve_app.config import Settings
+
+
+def _http_status(url: str) -> int | None:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_locally(settings: Settings) -> int:
+    """Serve the OpenAI-compatible API on a local Ray cluster until Ctrl-C, SIGINT or SIGTERM."""
+    import os
+    import signal
+
+    # Fetch the packs here, where their progress shows; the replicas then find them in the store.
+    store = model_store(settings)
+    for ref in models_needed(settings):
+        print(f"[specserve] model {ref}: {store.resolve(ref)}", flush=True)
+
+    import ray
+    from ray import serve
+
+    from serve_app.app import APP_NAME, build_app
+
+    started_ray = not ray.is_initialized()
+    if started_ray:  # a local cluster (never `ray start --head`: port 6379 is Redis's here)
+        address = os.environ.get("RAY_ADDRESS") or "local"
+        ray.init(address=address, include_dashboard=False)
+    # SIGINT and SIGTERM both shut down cleanly, also where SIGINT was inherited as ignored
+    # (a background job of a non-interactive shell) and after ray.init installed its SIGTERM exit.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+    try:
+        cpus = ray.cluster_resources().get("CPU", 0.0)
+        needed = settings.autoscaling.replica_num_cpus * max(1, settings.autoscaling.min_replicas)
+        if cpus < needed:
+            print(
+                f"[specserve] warning: the engine replicas need {needed:g} CPUs, the cluster has {cpus:g}; "
+                "set SPECSERVE_AUTOSCALING__REPLICA_NUM_CPUS lower or they will never start",
+                file=sys.stderr,
+            )
+        host, port = settings.server.host, settings.server.port
+        serve.start(http_options={"host": host, "port": port})
+        app_name = APP_NAME
+        serve.run_many(
+            [serve.RunTarget(build_app(settings.model_dump(mode="json")), name=app_name, route_prefix="/")],
+            wait_for_applications_running=False,
+        )
+        local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        url = f"http://{local}:{port}"
+        print(f"[specserve] starting {app_name}: loading models into the engine replica(s) ...", flush=True)
+        start = last = time.monotonic()
+        while _http_status(f"{url}/health") != 200:
+            status = serve.status().applications.get(app_name)
+            if status is not None and str(status.status.value) == "DEPLOY_FAILED":
+                print(f"[specserve] deployment failed: {status.message}", file=sys.stderr)
+                return 1
+            if time.monotonic() - last >= 10:
+                last = time.monotonic()
+                state = str(status.status.value) if status is not None else "NOT_STARTED"
+                details = "; ".join(
+                    f"{name}: {d.status.value} {d.message}".strip()
+                    for name, d in (status.deployments.items() if status is not None else ())
+                )
+                print(f"[specserve] {time.monotonic() - start:.0f}s: {state} {details}", flush=True)
+            time.sleep(1)
+        name = served_model_name(settings)
+        key = settings.server.api_key
+        auth = f" \\\n  -H 'Authorization: Bearer {key}'" if key else ""
+        print(
+            f"[specserve] ready after {time.monotonic() - start:.0f}s: {url}  (model {name!r}; "
+            f"OpenAI base URL {url}/v1)\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f"""  -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], """
+            f""""max_tokens": 64}}'\n"""
+            "[specserve] Ctrl-C to stop",
+            flush=True,
+        )
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\n[specserve] shutting down", flush=True)
+        return 0
+    finally:
+        serve.shutdown()
+        if started_ray:
+            ray.shutdown()

@@ -1,0 +1,235 @@
+"""OpenTelemetry tracing: provider setup, W3C context propagation and span helpers.
+
+One request makes one trace: the ingress opens the root span (``chat <model>``), sends the W3C trace
+context to the replica inside ``GenerateRequest.trace_context`` (:func:`inject_context`), and the
+replica continues the trace from it (:func:`extract_context`). Inside the replica a request's whole
+decoding is ONE ``decode`` span with a bounded number of span events
+(:class:`DecodeSpanRecorder`), so a long answer never makes thousands of spans.
+
+Attributes follow the OpenTelemetry GenAI semantic conventions (``gen_ai.*``) and add
+``specserve.*`` for speculation (proposer, drafted, accepted, acceptance rate, ...).
+
+This module imports neither Ray nor FastAPI: the engine receives a tracer through its constructor
+and both the ingress and the replicas call :func:`setup_tracing` once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.trace import Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from serve_app.config import TelemetrySettings
+
+logger = logging.getLogger(__name__)
+
+TRACER_NAME = "specserve"
+GEN_AI_PROVIDER = "specserve"  # gen_ai.provider.name (and the deprecated gen_ai.system)
+SPECULATION_EVENT = "specserve.speculation"
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_GLOBAL_LOCK = threading.Lock()
+
+AttributeValue = (
+    str | bool | int | float | tuple[str, ...] | tuple[bool, ...] | tuple[int, ...] | tuple[float, ...]
+)
+
+
+# --- provider setup -----------------------------------------------------------------------------
+
+
+def resolve_otlp_endpoint(endpoint: str | None, protocol: str) -> str | None:
+    """The endpoint handed to the OTLP exporter.
+
+    The HTTP exporter posts to its endpoint verbatim, so a bare collector address
+    (``http://collector:4318``) gets the traces path ``/v1/traces``; gRPC endpoints are used as
+    given. ``None`` leaves the choice to the exporter (``OTEL_EXPORTER_OTLP_*`` or its default).
+    """
+    if endpoint is None or protocol != "http":
+        return endpoint
+    if urlsplit(endpoint).path in ("", "/"):
+        return endpoint.rstrip("/") + "/v1/traces"
+    return endpoint
+
+
+def _build_exporter(settings: TelemetrySettings) -> SpanExporter | None:
+    if settings.exporter == "none":
+        return None
+    if settings.exporter == "console":
+        return ConsoleSpanExporter(service_name=settings.service_name)
+    endpoint = resolve_otlp_endpoint(settings.otlp_endpoint, settings.otlp_protocol)
+    # Imported here: each transport pulls in its own stack (grpcio or requests). Neither connects
+    # at construction; the first export does.
+    if settings.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter(endpoint=endpoint)
+
+
+def _set_global_provider(provider: TracerProvider) -> bool:
+    """Install ``provider`` as the process's global tracer provider, once; False if one was set."""
+    with _GLOBAL_LOCK:
+        current = trace.get_tracer_provider()
+        if not isinstance(current, trace.ProxyTracerProvider):
+            # OpenTelemetry refuses to replace a global provider (it only logs a warning); say so
+            # once here, in our own words, and keep the first one.
+            logger.warning(
+                "a global tracer provider is already set (%s); keeping it. Use get_tracer(provider) "
+                "to trace with the new one.",
+                type(current).__name__,
+            )
+            return False
+        trace.set_tracer_provider(provider)
+        return True
+
+
+def setup_tracing(
+    settings: TelemetrySettings, exporter: SpanExporter | None = None, *, set_global: bool = True
+) -> TracerProvider:
+    """Build a tracer provider for ``settings`` and return it.
+
+    The provider carries the resource ``service.name = settings.service_name``. Spans go to:
+
+    - ``exporter`` when one is given (tests pass an ``InMemorySpanExporter``), through a
+      ``SimpleSpanProcessor`` so that each span is exported the moment it ends;
+    - otherwise the exporter ``settings.exporter`` names, through a ``BatchSpanProcessor``:
+      ``console`` prints spans to stdout, ``otlp`` sends them to ``settings.otlp_endpoint`` over
+      gRPC or HTTP; ``none`` adds no processor at all (spans are still created, so trace ids still
+      propagate, but nothing is exported).
+
+    With ``set_global`` the provider also becomes the process's global provider, the first time
+    only: OpenTelemetry never replaces a global provider, so a later call logs a warning and
+    returns its new provider without installing it. Call ``provider.shutdown()`` to flush.
+    """
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: settings.service_name}))
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    else:
+        built = _build_exporter(settings)
+        if built is not None:
+            provider.add_span_processor(BatchSpanProcessor(built))
+    if set_global:
+        _set_global_provider(provider)
+    return provider
+
+
+def get_tracer(provider: TracerProvider | None = None) -> Tracer:
+    """The ``specserve`` tracer of ``provider``, or of the global provider when none is given."""
+    if provider is None:
+        return trace.get_tracer(TRACER_NAME)
+    return provider.get_tracer(TRACER_NAME)
+
+
+# --- context propagation ------------------------------------------------------------------------
+
+
+def inject_context(context: Context | None = None) -> dict[str, str]:
+    """The W3C trace-context carrier (``traceparent``, ``tracestate``) of the current or given context.
+
+    Empty when the context holds no valid span. The result is a plain dict, so it pickles across a
+    Ray Serve handle (``GenerateRequest.trace_context``) and works as HTTP headers.
+    """
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=context)
+    return carrier
+
+
+def extract_context(carrier: Mapping[str, str]) -> Context:
+    """The context to parent spans on from a carrier made by :func:`inject_context` (or headers).
+
+    A missing or malformed ``traceparent`` gives an empty context: spans then start a new trace.
+    """
+    return _PROPAGATOR.extract(carrier=dict(carrier))
+
+
+# --- attributes -----------------------------------------------------------------------------------
+
+
+def _attribute_value(value: object) -> AttributeValue | None:
+    """``value`` as an OpenTelemetry attribute value, or None where it cannot be one."""
+    if isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, Sequence):
+        items = tuple(value)
+        if not items:
+            return ()
+        for kind in (str, bool, int, float):
+            if all(type(item) is kind for item in items):
+                return items
+        if all(isinstance(item, int | float) and not isinstance(item, bool) for item in items):
+            return tuple(float(item) for item in items)
+    return None
+
+
+def clean_attributes(attributes: Mapping[str, object]) -> dict[str, AttributeValue]:
+    """Drop the values OpenTelemetry cannot hold (None, nested mappings, mixed sequences)."""
+    clean: dict[str, AttributeValue] = {}
+    for key, value in attributes.items():
+        converted = _attribute_value(value)
+        if converted is not None:
+            clean[key] = converted
+    return clean
+
+
+def gen_ai_span_name(operation: str, model: str) -> str:
+    """The GenAI conventions' span name: ``"{gen_ai.operation.name} {gen_ai.request.model}"``."""
+    return f"{operation} {model}" if model else operation
+
+
+def gen_ai_request_attributes(
+    operation: str, model: str, max_tokens: int, temperature: float, top_p: float
+) -> dict[str, AttributeValue]:
+    """GenAI request attributes; ``operation`` is ``"chat"`` or ``"text_completion"``."""
+    return clean_attributes(
+        {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": GEN_AI_PROVIDER,
+            "gen_ai.system": GEN_AI_PROVIDER,  # deprecated name of gen_ai.provider.name
+            "gen_ai.request.model": model,
+            "gen_ai.request.max_tokens": max_tokens,
+            "gen_ai.request.temperature": temperature,
+            "gen_ai.request.top_p": top_p,
+        }
+    )
+
+
+def gen_ai_usage_attributes(
+    input_tokens: int, output_tokens: int, finish_reasons: Sequence[str], response_id: str
+) -> dict[str, AttributeValue]:
+    """GenAI response attributes: token usage, finish reasons and the response id."""
+    return clean_attributes(
+        {
+            "gen_ai.response.id": response_id,
+            "gen_ai.response.finish_reasons": tuple(str(reason) for reason in finish_reasons),
+            "gen_ai.usage.input_tokens": input_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+        }
+    )
+
+
+def speculation_attributes(stats: Mapping[str, object]) -> dict[str, AttributeValue]:
+    """``SpecStats.as_dict()`` as ``specserve.*`` attributes.
+
+    ``{"proposer": "draft", "drafted": 12, ...}`` -> ``{"specserve.proposer": "draft",
+    "specserve.drafted": 12, ...}``. None values are dropped (OpenTelemetry attributes cannot be
+    None), lists become tuples (``specserve.accepted_per_position``), and keys already starting
+    with ``specserve.`` are kept as they are.
+    """
+    return clean_attributes(
+        {(key if key.startswith("specserve.") else f"specserve.{key}"): value for key, value in stats.items()}
+    )

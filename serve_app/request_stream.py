@@ -1,0 +1,91 @@
+"""One request between the engine's loop thread and its consumer: the stream, and its chunks.
+
+The loop thread hands each request's ``RequestOutput`` (as a ``StepOutput``) or a final
+``GenerateError`` to the request's ``RequestStream``; the consumer (an asyncio task) merges what
+piled up into ``GenerateChunk``s (``merge_chunks``) and feeds the request's spans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from serve_app.engine.request import RequestOutput
+from serve_app.observability.request_spans import RequestSpans
+from serve_app.wire import GenerateChunk, GenerateError, GenerateRequest
+
+
+def overloaded_error(message: str) -> GenerateError:
+    return GenerateError(message=message, type="overloaded_error", code="overloaded", status=503)
+
+
+def unavailable_error(message: str) -> GenerateError:
+    return GenerateError(message=message, type="server_error", code="engine_unavailable", status=503)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A RequestOutput and the loop thread's clock when the step that made it ended."""
+
+    output: RequestOutput
+    time: float  # time.perf_counter()
+    first: bool  # the request's first output (its prefill)
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """One request as both sides see it: the consumer's loop and queue, and timing."""
+
+    request: GenerateRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.perf_counter)
+    first_output: float | None = None  # loop thread: when the first output was made
+    cancelled: bool = False  # consumer: gone; the loop thread skips or aborts it
+
+    def deliver(self, item: StepOutput | GenerateError) -> None:
+        """Hand an item to the consumer's event loop (any thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            self.cancelled = True
+
+
+def merge_chunks(
+    request_id: str, items: list[StepOutput | GenerateError], trace: RequestSpans
+) -> list[GenerateChunk]:
+    """Turn queued items into chunks: outputs merge into one; an error ends the stream."""
+    chunks: list[GenerateChunk] = []
+    text: list[str] = []
+    ids: list[int] = []
+    last: RequestOutput | None = None
+    for item in items:
+        if isinstance(item, GenerateError):
+            if last is not None:
+                chunks.append(_chunk(request_id, text, ids, last))
+            trace.close("error", item)
+            chunks.append(GenerateChunk(request_id, finished=True, error=item))
+            return chunks
+        trace.on_output(item.output, item.time, item.first)
+        last = item.output
+        text.append(last.new_text)
+        ids.extend(last.new_token_ids)
+        if last.finished:
+            break
+    if last is not None:
+        chunks.append(_chunk(request_id, text, ids, last))
+    return chunks
+
+
+def _chunk(request_id: str, text: list[str], ids: list[int], last: RequestOutput) -> GenerateChunk:
+    return GenerateChunk(
+        request_id=request_id,
+        text="".join(text),
+        token_ids=list(ids),
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        speculation=last.spec_stats.as_dict() if last.finished and last.spec_stats else None,
+    )
