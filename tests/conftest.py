@@ -1,9 +1,12 @@
-"""Shared fixtures: tiny models and a tiny tokenizer built in memory, and the real model packs."""
+"""Shared fixtures: tiny models, a tiny tokenizer and tiny engines built in memory, and the real
+model packs."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -11,6 +14,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from serve_app.config import default_cache_dir
+
+if TYPE_CHECKING:
+    from serve_app.engine.engine import SpecEngine
+    from serve_app.engine.model import DecoderModel
+    from serve_app.engine.proposers.base import Proposer
 
 TINY_CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -62,6 +70,74 @@ def make_noop_layer_model(vocab_size: int, layers: int, noop: int, seed: int = 2
         model.model.layers[noop].self_attn.o_proj.weight.zero_()
         model.model.layers[noop].mlp.down_proj.weight.zero_()
     return model
+
+
+def make_tiny_engine(
+    target_hf: torch.nn.Module | DecoderModel,
+    tokenizer: Any,
+    *,
+    proposers: Iterable[str] | Mapping[str, Mapping[str, object] | Proposer] = (),
+    method: str | None = None,
+    depth: int = 4,
+    max_depth: int = 16,
+    slots: int = 8,
+    max_seq_len: int = 128,
+    max_waiting: int = 256,
+    policy: str | None = None,
+    draft_hf: torch.nn.Module | None = None,
+    self_skip: Sequence[int] | None = None,
+    stats: Any = None,
+    model_pair: str = "",
+    dtype: torch.dtype | None = None,
+    **config: Any,
+) -> SpecEngine:
+    """A ``SpecEngine`` on an in-memory model (a transformers model, or a ``DecoderModel`` already
+    built from one), EOS id 0.
+
+    ``proposers``: names, or name -> options (or name -> a ready proposer, used as is: a test
+    double, a hand-made draft). ``"draft"`` drafts with ``draft_hf`` (default: the target itself,
+    a separate copy); its options are ``DraftModelProposer``'s (``min_confidence``). Every other
+    name is built by the registry (``create_proposer``) with its settings options, in the engine's
+    own KV cache; ``self_skip`` gives ``"self"`` its ``skip_layers`` (else the default plan).
+    ``method``, ``depth``, ``max_depth``, ``slots``, ``max_seq_len``, ``max_waiting``, ``policy``
+    (None: the default) and any other ``config`` keyword are the ``EngineConfig``'s.
+    """
+    from serve_app.engine.engine import SpecEngine
+    from serve_app.engine.engine_config import EngineConfig
+    from serve_app.engine.model import DecoderModel
+    from serve_app.engine.proposers.draft_model import DraftModelProposer
+    from serve_app.engine.proposers.registry import ProposerContext, create_proposer
+
+    is_built = isinstance(target_hf, DecoderModel)
+    model = target_hf if is_built else DecoderModel.from_hf_model(target_hf, dtype)
+    # Made first: a proposer that drafts inside the target's cache (self-speculation) needs it.
+    cache = model.new_cache(slots, max_seq_len)
+    wanted = dict(proposers) if isinstance(proposers, Mapping) else {name: {} for name in proposers}
+    built: dict[str, Proposer] = {}
+    for name, spec in wanted.items():
+        if not isinstance(spec, Mapping):
+            built[name] = spec
+            continue
+        options = dict(spec)
+        if name == "draft":
+            source = draft_hf if draft_hf is not None else target_hf
+            if isinstance(source, DecoderModel):
+                raise ValueError("a draft needs a transformers model: pass draft_hf")
+            draft = DecoderModel.from_hf_model(source, dtype)
+            built[name] = DraftModelProposer(draft, model.cfg.vocab_size, slots, max_seq_len, **options)
+            continue
+        if name == "self" and self_skip is not None:
+            options.setdefault("skip_layers", list(self_skip))
+        context = ProposerContext(model, tokenizer, slots, max_seq_len, options, target_cache=cache)
+        built[name] = create_proposer(name, context)
+    if policy is not None:
+        config["policy"] = policy
+    engine_config = EngineConfig(
+        max_slots=slots, max_seq_len=max_seq_len, max_waiting=max_waiting, spec_method=method,
+        spec_depth=depth, max_depth=max_depth, **config,
+    )  # fmt: skip
+    return SpecEngine(model, tokenizer, engine_config, eos_ids=[0], proposers=built, stats=stats,
+                      model_pair=model_pair, cache=cache)  # fmt: skip
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from serve_app.engine.engine import SpecEngine
-from serve_app.engine.engine_config import EngineConfig
 from serve_app.engine.params import SamplingParams
 from serve_app.engine.scheduler import QueueFullError
-from tests.conftest import make_tiny_hf_model
+from tests.conftest import make_tiny_engine, make_tiny_hf_model
 
 PROMPTS = [
     "def add(a, b):",
@@ -27,10 +26,7 @@ def hf_model(tiny_tokenizer):
 
 
 def make_engine(hf_model, tokenizer, slots: int = 8, max_waiting: int = 64) -> SpecEngine:
-    from serve_app.engine.model import DecoderModel
-
-    config = EngineConfig(max_slots=slots, max_seq_len=256, max_waiting=max_waiting)
-    return SpecEngine(DecoderModel.from_hf_model(hf_model), tokenizer, config, eos_ids=[0])
+    return make_tiny_engine(hf_model, tokenizer, slots=slots, max_seq_len=256, max_waiting=max_waiting)
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -188,6 +188,9 @@ def test_lookahead_says_what_propose_will_draft():
     for _ in range(60):
         depth = rng.randrange(0, 6)
         ahead = proposer.lookahead(row(tokens, depth))
-        assert ahead == len(propose_one(proposer, tokens, depth)) == len(propose_one(reference_proposer,
-                                                                                     tokens, depth))
+        assert (
+            ahead
+            == len(propose_one(proposer, tokens, depth))
+            == len(propose_one(reference_proposer, tokens, depth))
+        )
         tokens.append(rng.randrange(6))

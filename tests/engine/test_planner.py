@@ -7,13 +7,9 @@ import pytest
 from policies import FittedCostModel, registered_policies
 from serve_app.config import StatsSettings
 from serve_app.engine.engine import SpecEngine
-from serve_app.engine.engine_config import EngineConfig
-from serve_app.engine.model import DecoderModel
 from serve_app.engine.params import SamplingParams, SpecOverride
-from serve_app.engine.proposers.draft_model import DraftModelProposer
-from serve_app.engine.proposers.ngram import NgramProposer
 from serve_app.observability.shared_stats import AcceptanceKey, EngineStatsSink, SharedStats
-from tests.conftest import hf_greedy, make_tiny_hf_model
+from tests.conftest import hf_greedy, make_tiny_engine, make_tiny_hf_model
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "specserve", "tags": [', "x"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -35,13 +31,11 @@ def references(target_hf, prompts) -> list[list[int]]:
 
 
 def make_engine(target_hf, tokenizer, policy: str, stats=None) -> SpecEngine:
-    target = DecoderModel.from_hf_model(target_hf)
-    draft = DraftModelProposer(DecoderModel.from_hf_model(target_hf), target.cfg.vocab_size, 4, 128)
-    config = EngineConfig(max_slots=4, max_seq_len=128, spec_method="draft", spec_depth=4, max_depth=6,
-                          policy=policy)  # fmt: skip
-    return SpecEngine(target, tokenizer, config, eos_ids=[0],
-                      proposers={"draft": draft, "ngram": NgramProposer(3, 1)}, stats=stats,
-                      model_pair="tiny|tiny")  # fmt: skip
+    """The target as its own draft, beside an n-gram lookup."""
+    return make_tiny_engine(
+        target_hf, tokenizer, proposers={"draft": {}, "ngram": {"max_ngram": 3, "min_ngram": 1}},
+        method="draft", depth=4, max_depth=6, slots=4, policy=policy, stats=stats, model_pair="tiny|tiny",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("policy", sorted(registered_policies()))

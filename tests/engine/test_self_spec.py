@@ -14,17 +14,13 @@ import json
 import pytest
 import torch
 
-from serve_app.engine.engine import SpecEngine
-from serve_app.engine.engine_config import EngineConfig
 from serve_app.engine.model import DecoderModel
 from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.proposers.base import ProposeRow
-from serve_app.engine.proposers.draft_model import DraftModelProposer
-from serve_app.engine.proposers.ngram import NgramProposer
 from serve_app.engine.proposers.registry import ProposerContext, create_proposer
 from serve_app.engine.proposers.self_spec import SelfSpecProposer
 from serve_app.engine.proposers.skip_plan import CALIBRATION_FILE, default_skip, resolve_plan
-from tests.conftest import hf_greedy, make_tiny_hf_model
+from tests.conftest import hf_greedy, make_tiny_engine, make_tiny_hf_model
 from tests.engine.test_speculative import GREEDY, PROMPTS
 
 LAYERS = 4
@@ -45,13 +41,13 @@ def references(target_hf, prompts) -> list[list[int]]:
     return [prompt + hf_greedy(target_hf, prompt, 20) for prompt in prompts]
 
 
-def self_engine(target_hf, tokenizer, skip, depth: int, slots: int = 8, extra: dict | None = None):
-    """An engine whose "self" proposer drafts inside the engine's own cache."""
-    model = DecoderModel.from_hf_model(target_hf)
-    cache = model.new_cache(slots, 128)
-    proposers = {"self": SelfSpecProposer(model, cache, skip), **(extra or {})}
-    config = EngineConfig(max_slots=slots, max_seq_len=128, spec_method="self", spec_depth=depth, max_depth=8)
-    return SpecEngine(model, tokenizer, config, eos_ids=[0], proposers=proposers, cache=cache)
+def self_engine(target_hf, tokenizer, skip, depth: int, slots: int = 8, extra: dict | None = None,
+                draft_hf=None):  # fmt: skip
+    """An engine whose "self" proposer drafts inside the engine's own cache; ``extra``: more
+    proposers (name -> options), a "draft" one drafting with ``draft_hf``."""
+    proposers = {"self": {}, **(extra or {})}
+    return make_tiny_engine(target_hf, tokenizer, proposers=proposers, method="self", depth=depth,
+                            max_depth=8, slots=slots, self_skip=skip, draft_hf=draft_hf)  # fmt: skip
 
 
 def assert_matches_reference(results, prompts, references) -> None:
@@ -103,12 +99,9 @@ def test_mixed_proposers_depths_and_plain_in_one_batch(target_hf, tiny_tokenizer
     """self, ngram, a draft model, plain and auto rows share batches; different max_tokens make
     requests finish while others run, and 3 slots for 8 prompts make requests join mid-way."""
     for slots in (3, 8):
-        other = DecoderModel.from_hf_model(make_tiny_hf_model(len(tiny_tokenizer), seed=7, layers=2))
-        extra = {
-            "ngram": NgramProposer(3, 1),
-            "draft": DraftModelProposer(other, other.cfg.vocab_size, slots, 128),
-        }
-        engine = self_engine(target_hf, tiny_tokenizer, (1, 2), 3, slots=slots, extra=extra)
+        other = make_tiny_hf_model(len(tiny_tokenizer), seed=7, layers=2)
+        extra = {"ngram": {"max_ngram": 3, "min_ngram": 1}, "draft": {}}
+        engine = self_engine(target_hf, tiny_tokenizer, (1, 2), 3, slots=slots, extra=extra, draft_hf=other)
         modes = ["self", "off", "ngram", "self", "auto", "draft", "self", "off"]
         overrides = [SpecOverride(mode=m, max_depth=1 + i) for i, m in enumerate(modes)]
         params = [SamplingParams(max_tokens=6 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(8)]

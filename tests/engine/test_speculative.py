@@ -13,14 +13,11 @@ import random
 
 import pytest
 
-from serve_app.engine.engine import SpecEngine
-from serve_app.engine.engine_config import EngineConfig
 from serve_app.engine.model import DecoderModel
 from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.proposers.base import Draft, ProposeRow
 from serve_app.engine.proposers.draft_model import DraftModelProposer
-from serve_app.engine.proposers.ngram import NgramProposer
-from tests.conftest import hf_greedy, make_tiny_hf_model
+from tests.conftest import hf_greedy, make_tiny_engine, make_tiny_hf_model
 
 PROMPTS = [
     "def add(a, b):",
@@ -33,6 +30,7 @@ PROMPTS = [
     '"version": 1, "tags": ["fast", "lossless"]}',
 ]
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+NGRAM_3_1 = {"max_ngram": 3, "min_ngram": 1}  # the n-gram lookup's options: suffixes of 1..3 tokens
 
 
 class OracleProposer:
@@ -84,18 +82,6 @@ def references(target_hf, prompts) -> list[list[int]]:
     return [prompt + hf_greedy(target_hf, prompt, 20) for prompt in prompts]
 
 
-def make_engine(target_hf, tokenizer, proposers: dict, method: str | None, depth: int, slots: int = 8):
-    config = EngineConfig(max_slots=slots, max_seq_len=128, spec_method=method, spec_depth=depth, max_depth=8)
-    return SpecEngine(
-        DecoderModel.from_hf_model(target_hf), tokenizer, config, eos_ids=[0], proposers=proposers
-    )
-
-
-def draft_proposer(hf_model, slots: int = 8) -> DraftModelProposer:
-    model = DecoderModel.from_hf_model(hf_model)
-    return DraftModelProposer(model, model.cfg.vocab_size, slots, 128)
-
-
 def assert_matches_reference(results, prompts, references) -> None:
     for prompt, ref, result in zip(prompts, references, results, strict=True):
         assert result.token_ids == ref[len(prompt) :], (prompt, result.spec_stats)
@@ -105,7 +91,9 @@ def assert_matches_reference(results, prompts, references) -> None:
 def test_self_draft_accepts_everything_and_matches(
     target_hf, tiny_tokenizer, prompts, references, depth
 ) -> None:
-    engine = make_engine(target_hf, tiny_tokenizer, {"draft": draft_proposer(target_hf)}, "draft", depth)
+    engine = make_tiny_engine(
+        target_hf, tiny_tokenizer, proposers=["draft"], method="draft", depth=depth, max_depth=8
+    )
     results = engine.generate(prompts, GREEDY)
     assert_matches_reference(results, prompts, references)
     for result in results:
@@ -120,7 +108,9 @@ def test_self_draft_accepts_everything_and_matches(
 def test_oracle_partial_acceptance_matches(target_hf, tiny_tokenizer, prompts, references, agree) -> None:
     vocab = len(tiny_tokenizer)
     oracle = OracleProposer(references, agree, vocab, seed=int(agree * 10))
-    engine = make_engine(target_hf, tiny_tokenizer, {"oracle": oracle}, "oracle", 4)
+    engine = make_tiny_engine(
+        target_hf, tiny_tokenizer, proposers={"oracle": oracle}, method="oracle", depth=4, max_depth=8
+    )
     results = engine.generate(prompts, GREEDY)
     assert_matches_reference(results, prompts, references)
     total_all = sum(r.spec_stats.steps_all_accepted for r in results)
@@ -138,9 +128,10 @@ def test_random_draft_model_mixed_depths_and_batches(target_hf, tiny_tokenizer, 
     """A different random model as the draft, per-request depths 1..8, batches of 1..8."""
     other = make_tiny_hf_model(len(tiny_tokenizer), seed=7)
     for batch in (1, 3, 8):
-        engine = make_engine(
-            target_hf, tiny_tokenizer, {"draft": draft_proposer(other, batch)}, "draft", 8, slots=batch
-        )
+        engine = make_tiny_engine(
+            target_hf, tiny_tokenizer, proposers=["draft"], draft_hf=other, method="draft", depth=8,
+            max_depth=8, slots=batch,
+        )  # fmt: skip
         overrides = [SpecOverride(mode="auto", max_depth=1 + i % 8) for i in range(len(prompts))]
         results = engine.generate(prompts, GREEDY, overrides)  # more prompts than slots: joins
         assert_matches_reference(results, prompts, references)
@@ -149,16 +140,21 @@ def test_random_draft_model_mixed_depths_and_batches(target_hf, tiny_tokenizer, 
 
 
 def test_ngram_proposer_matches(target_hf, tiny_tokenizer, prompts, references) -> None:
+    proposers = {"ngram": NGRAM_3_1}
     for depth in (1, 4, 8):
-        engine = make_engine(target_hf, tiny_tokenizer, {"ngram": NgramProposer(3, 1)}, "ngram", depth)
+        engine = make_tiny_engine(
+            target_hf, tiny_tokenizer, proposers=proposers, method="ngram", depth=depth, max_depth=8
+        )
         results = engine.generate(prompts, GREEDY)
         assert_matches_reference(results, prompts, references)
         assert sum(r.spec_stats.drafted for r in results) > 0
 
 
 def test_mixed_proposers_and_plain_in_one_batch(target_hf, tiny_tokenizer, prompts, references) -> None:
-    proposers = {"draft": draft_proposer(target_hf), "ngram": NgramProposer(3, 1)}
-    engine = make_engine(target_hf, tiny_tokenizer, proposers, "draft", 3)
+    proposers = {"draft": {}, "ngram": NGRAM_3_1}
+    engine = make_tiny_engine(
+        target_hf, tiny_tokenizer, proposers=proposers, method="draft", depth=3, max_depth=8
+    )
     modes = ["auto", "off", "ngram", "draft", "auto", "ngram", "off", "draft"]
     overrides = [SpecOverride(mode=m, max_depth=1 + i) for i, m in enumerate(modes)]
     # Different max_tokens make requests finish at different steps while others keep going.
@@ -174,12 +170,10 @@ def test_goodput_with_a_lookup_proposer_stays_lossless_and_releases_it(
 ) -> None:
     """goodput sees what n-gram can draft (its lookahead) for every auto request; the lookup is
     admitted for each request it looked at and released with it, whether it drafted or not."""
-    from dataclasses import replace
-
-    proposers = {"draft": draft_proposer(target_hf, 3), "ngram": NgramProposer(3, 1)}
-    engine = make_engine(target_hf, tiny_tokenizer, proposers, "draft", 4, slots=3)
-    config = replace(engine.config, policy="goodput")
-    engine = SpecEngine(engine.model, tiny_tokenizer, config, [0], proposers)
+    engine = make_tiny_engine(
+        target_hf, tiny_tokenizer, proposers={"draft": {}, "ngram": NGRAM_3_1}, method="draft", depth=4,
+        max_depth=8, slots=3, policy="goodput",
+    )  # fmt: skip
     seen: list[dict[str, int]] = []
     decide = engine.planner.decide
 
@@ -193,13 +187,15 @@ def test_goodput_with_a_lookup_proposer_stays_lossless_and_releases_it(
     assert_matches_reference(results, prompts, references)
     assert seen and all(set(d) <= {"ngram"} for d in seen) and {} in seen  # "off" rows: no lookup
     assert any(d.get("ngram", 0) > 0 for d in seen) and any(d.get("ngram") == 0 for d in seen)
-    assert not proposers["ngram"]._slots and engine.cache.num_free == 3
+    assert not engine.proposers["ngram"]._slots and engine.cache.num_free == 3
 
 
 def test_stop_inside_accepted_run_cuts_like_plain(target_hf, tiny_tokenizer, prompts, references) -> None:
     """EOS-like stop ids and max_tokens that fall inside an accepted run cut exactly there."""
-    plain = make_engine(target_hf, tiny_tokenizer, {}, None, 1)
-    spec = make_engine(target_hf, tiny_tokenizer, {"draft": draft_proposer(target_hf)}, "draft", 8)
+    plain = make_tiny_engine(target_hf, tiny_tokenizer, depth=1, max_depth=8)
+    spec = make_tiny_engine(
+        target_hf, tiny_tokenizer, proposers=["draft"], method="draft", depth=8, max_depth=8
+    )
     for prompt, ref in zip(prompts, references, strict=True):
         out = ref[len(prompt) :]
         for params in (
@@ -213,8 +209,10 @@ def test_stop_inside_accepted_run_cuts_like_plain(target_hf, tiny_tokenizer, pro
 
 
 def test_stop_string_inside_accepted_run(target_hf, tiny_tokenizer, prompts) -> None:
-    plain = make_engine(target_hf, tiny_tokenizer, {}, None, 1)
-    spec = make_engine(target_hf, tiny_tokenizer, {"draft": draft_proposer(target_hf)}, "draft", 8)
+    plain = make_tiny_engine(target_hf, tiny_tokenizer, depth=1, max_depth=8)
+    spec = make_tiny_engine(
+        target_hf, tiny_tokenizer, proposers=["draft"], method="draft", depth=8, max_depth=8
+    )
     for prompt in prompts:
         full = plain.generate([prompt], GREEDY)[0]
         stop = full.text[len(full.text) // 2 :][:2]
@@ -228,11 +226,13 @@ def test_stop_string_inside_accepted_run(target_hf, tiny_tokenizer, prompts) -> 
 
 
 def test_unknown_speculation_mode_is_refused(target_hf, tiny_tokenizer) -> None:
-    engine = make_engine(target_hf, tiny_tokenizer, {"ngram": NgramProposer()}, "ngram", 2)
+    engine = make_tiny_engine(
+        target_hf, tiny_tokenizer, proposers=["ngram"], method="ngram", depth=2, max_depth=8
+    )
     with pytest.raises(ValueError, match="'eagle' is not available"):
         engine.add_request([1, 2], GREEDY, speculation=SpecOverride(mode="eagle"))
     with pytest.raises(ValueError, match="has no proposer loaded"):
-        make_engine(target_hf, tiny_tokenizer, {}, "draft", 2)
+        make_tiny_engine(target_hf, tiny_tokenizer, method="draft", depth=2, max_depth=8)
 
 
 def test_cheap_draft_options_stay_lossless(target_hf, tiny_tokenizer, prompts, references) -> None:
@@ -244,7 +244,9 @@ def test_cheap_draft_options_stay_lossless(target_hf, tiny_tokenizer, prompts, r
     options = DraftOptions(int8=True, head_ids=tuple(range(0, len(tiny_tokenizer), 2)))
     model = DecoderModel(DecoderModel.from_hf_model(target_hf).cfg, target_hf.config, state, options)
     proposer = DraftModelProposer(model, model.cfg.vocab_size, 8, 128, min_confidence=0.5)
-    engine = make_engine(target_hf, tiny_tokenizer, {"draft": proposer}, "draft", 6)
+    engine = make_tiny_engine(
+        target_hf, tiny_tokenizer, proposers={"draft": proposer}, method="draft", depth=6, max_depth=8
+    )
     results = engine.generate(prompts, GREEDY)
     assert_matches_reference(results, prompts, references)
     assert sum(r.spec_stats.drafted for r in results) > 0

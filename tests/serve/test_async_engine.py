@@ -17,15 +17,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from serve_app.async_engine import AsyncEngine
 from serve_app.config import TelemetrySettings
 from serve_app.engine.engine import SpecEngine
-from serve_app.engine.engine_config import EngineConfig
-from serve_app.engine.model import DecoderModel
 from serve_app.engine.params import SamplingParams, SpecOverride
-from serve_app.engine.proposers.draft_model import DraftModelProposer
 from serve_app.observability import metrics as m
 from serve_app.observability.metrics import EngineMetrics
 from serve_app.observability.tracing import get_tracer, inject_context, setup_tracing
 from serve_app.wire import GenerateChunk, GenerateRequest
-from tests.conftest import make_tiny_hf_model
+from tests.conftest import make_tiny_engine, make_tiny_hf_model
 
 PROMPTS = [
     "def add(a, b):",
@@ -45,21 +42,10 @@ def target_hf(tiny_tokenizer):
 
 def make_engine(target_hf, tokenizer, slots: int = 4, max_waiting: int = 64, spec: bool = True) -> SpecEngine:
     """A float32 tiny engine; with ``spec`` the target drafts for itself (speculation always on)."""
-    config = EngineConfig(
-        max_slots=slots,
-        max_seq_len=MAX_SEQ_LEN,
-        max_waiting=max_waiting,
-        spec_method="draft" if spec else None,
-        spec_depth=3,
-        max_depth=8,
-    )
-    proposers = {}
-    if spec:
-        draft = DecoderModel.from_hf_model(target_hf)
-        proposers["draft"] = DraftModelProposer(draft, draft.cfg.vocab_size, slots, MAX_SEQ_LEN)
-    return SpecEngine(
-        DecoderModel.from_hf_model(target_hf), tokenizer, config, eos_ids=[0], proposers=proposers
-    )
+    return make_tiny_engine(
+        target_hf, tokenizer, proposers=["draft"] if spec else (), method="draft" if spec else None,
+        depth=3, max_depth=8, slots=slots, max_seq_len=MAX_SEQ_LEN, max_waiting=max_waiting,
+    )  # fmt: skip
 
 
 @pytest.fixture

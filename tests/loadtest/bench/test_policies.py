@@ -25,11 +25,7 @@ from loadtest.catalogue import Prompt
 from policies import FittedCostModel
 from policies.traces import TraceSet
 from serve_app.engine.engine import SpecEngine
-from serve_app.engine.engine_config import EngineConfig
-from serve_app.engine.model import DecoderModel
-from serve_app.engine.proposers.draft_model import DraftModelProposer
-from serve_app.engine.proposers.ngram import NgramProposer
-from tests.conftest import make_tiny_hf_model
+from tests.conftest import make_tiny_engine, make_tiny_hf_model
 
 PROMPTS = [
     Prompt("code", "add", "def add(a, b):", False),
@@ -45,10 +41,8 @@ def engine(tiny_tokenizer) -> SpecEngine:
         gen = torch.Generator().manual_seed(1)
         for p in draft_hf.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.15 * p.std())
-    draft = DecoderModel.from_hf_model(draft_hf)
-    config = EngineConfig(max_slots=4, max_seq_len=128, spec_method="draft", spec_depth=4, max_depth=8)
-    proposers = {"draft": DraftModelProposer(draft, draft.cfg.vocab_size, 4, 128), "ngram": NgramProposer()}
-    return SpecEngine(DecoderModel.from_hf_model(target_hf), tiny_tokenizer, config, [0], proposers)
+    return make_tiny_engine(target_hf, tiny_tokenizer, proposers=["draft", "ngram"], draft_hf=draft_hf,
+                            method="draft", depth=4, max_depth=8, slots=4)  # fmt: skip
 
 
 def test_teacher_forced_matches_agree_with_what_drafting_really_kept(engine) -> None:

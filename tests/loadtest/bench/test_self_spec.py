@@ -15,18 +15,12 @@ from serve_app.engine.proposers.skip_plan import CALIBRATION_FILE
 
 @pytest.fixture(scope="module")
 def self_engine(tiny_tokenizer):
-    from serve_app.engine.engine import SpecEngine
-    from serve_app.engine.engine_config import EngineConfig
-    from serve_app.engine.model import DecoderModel
-    from serve_app.engine.proposers.ngram import NgramProposer
-    from serve_app.engine.proposers.self_spec import SelfSpecProposer
-    from tests.conftest import make_tiny_hf_model
+    from tests.conftest import make_tiny_engine, make_tiny_hf_model
 
-    model = DecoderModel.from_hf_model(make_tiny_hf_model(len(tiny_tokenizer), seed=0, layers=4))
-    config = EngineConfig(max_slots=4, max_seq_len=256, spec_depth=3)
-    cache = model.new_cache(config.max_slots, config.max_seq_len)
-    proposers = {"ngram": NgramProposer(3, 1), "self": SelfSpecProposer(model, cache, (1,))}
-    return SpecEngine(model, tiny_tokenizer, config, [0], proposers, cache=cache)
+    target_hf = make_tiny_hf_model(len(tiny_tokenizer), seed=0, layers=4)
+    proposers = {"ngram": {"max_ngram": 3, "min_ngram": 1}, "self": {}}
+    return make_tiny_engine(target_hf, tiny_tokenizer, proposers=proposers, self_skip=(1,), depth=3,
+                            slots=4, max_seq_len=256)  # fmt: skip
 
 
 def test_sweep_runs_self_at_its_own_depth(self_engine, tiny_tokenizer) -> None:

@@ -6,13 +6,10 @@ from __future__ import annotations
 import pytest
 
 from loadtest.calibrate.self_spec import SelfSpecCalibrator, calibrate_self_spec, expected_tokens
-from serve_app.engine.engine import SpecEngine
-from serve_app.engine.engine_config import EngineConfig
 from serve_app.engine.model import DecoderModel
 from serve_app.engine.params import SamplingParams, SpecOverride
-from serve_app.engine.proposers.self_spec import SelfSpecProposer
 from serve_app.engine.proposers.skip_plan import load_plan, resolve_plan, save_plan
-from tests.conftest import make_noop_layer_model
+from tests.conftest import make_noop_layer_model, make_tiny_engine
 from tests.engine.test_speculative import PROMPTS
 
 LAYERS = 4
@@ -34,10 +31,8 @@ def test_replayed_acceptance_matches_the_engine(model, tiny_tokenizer, prompts) 
     new_tokens, skip = 12, (1,)
     calibrator = SelfSpecCalibrator(model, prompts, new_tokens, max_depth=1, batch=5)
     accepted, tried = calibrator.acceptance(skip, 1, calibrator.starts)
-    cache = model.new_cache(4, 128)
-    config = EngineConfig(max_slots=4, max_seq_len=128, spec_method="self", spec_depth=1, max_depth=1)
-    proposers = {"self": SelfSpecProposer(model, cache, skip)}
-    engine = SpecEngine(model, tiny_tokenizer, config, proposers=proposers, cache=cache)
+    engine = make_tiny_engine(model, tiny_tokenizer, proposers=["self"], self_skip=skip, method="self",
+                              depth=1, max_depth=1, slots=4)  # fmt: skip
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     results = engine.generate(prompts, params, [SpecOverride("self", 1)] * len(prompts))
     for result, sequence, plen in zip(results, calibrator.sequences, calibrator.prompt_lens, strict=True):
