@@ -29,11 +29,8 @@ Errors are data (``GenerateError`` in a final chunk), never exceptions through t
 ``health()`` is False when the loop thread died, when one loop iteration (commands + one step) has
 been running longer than ``stuck_after_s``, or after repeated step failures.
 
-Telemetry: each request's spans hang under the trace context the ingress sent along
-(``GenerateRequest.trace_context``): ``queue`` (arrival until the first output, i.e. admission and
-prefill) and the decode span of a ``DecodeSpanRecorder`` fed with each step's speculation outcome.
-Metrics (``EngineMetrics``) are recorded by the loop thread: one ``on_step`` per engine step,
-``on_request_finished`` (TTFT, time per output token) and ``set_load``.
+Telemetry: a request's spans (``observability.request_spans``) hang under the trace context the
+ingress sent along; the loop thread records the metrics (``EngineMetrics``) of every step.
 """
 
 from __future__ import annotations
@@ -159,6 +156,8 @@ class AsyncEngine:
             max_tokens_limit=self.max_tokens_limit,
             proposers=sorted(self.engine.proposers),
             default_method=config.spec_method,
+            exact=self.engine.exact,
+            sampling=config.sampling,
         )
 
     async def health(self) -> bool:

@@ -119,6 +119,8 @@ def engine_config(
         proposer_options=options,
         policy=spec.policy,
         policy_params=dict(spec.policy_params),
+        sampling=spec.sampling,
+        batch_invariant=settings.runtime.batch_invariant,
     )
 
 

@@ -56,6 +56,11 @@ class RuntimeSettings(_Section):
     threads: int | None = Field(
         None, ge=1, description="torch intra-op threads; null keeps torch's default (all cores)."
     )
+    batch_invariant: bool = Field(
+        True,
+        description="Run every product on a row count whose rows agree with any other, so that speculative "
+        "output is bit-identical to plain decoding (probed at start; off only to measure its cost).",
+    )
 
 
 class CacheSettings(_Section):
@@ -101,6 +106,12 @@ class SpeculationSettings(_Section):
         True,
         description="Time the models when a replica starts to fit the cost model (~16 s for the Qwen "
         "pair on 2 cores; cached per hardware and model in the shared stats).",
+    )
+    sampling: Literal["coupled", "rejection"] = Field(
+        "coupled",
+        description="How sampled tokens are drawn and verified: coupled = each token is the exponential "
+        "race of p under noise fixed by (seed, position), so seeded output is the same with speculation on "
+        "or off; rejection = classic speculative sampling (accept with min(1, p/q)).",
     )
     depth: int = Field(6, ge=1, le=32, description="Draft tokens proposed per step.")
     max_depth: int = Field(16, ge=1, le=32, description="The deepest speculation a request may ask for.")

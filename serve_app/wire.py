@@ -62,6 +62,10 @@ class EngineInfo:
     max_tokens_limit: int
     proposers: list[str]
     default_method: str | None
+    # Speculation is bit-exact here: the replica made its rows independent of the batch
+    # (serve_app.engine.exactness). False on a device where it could not, or with it turned off.
+    exact: bool = False
+    sampling: str = "coupled"  # how sampled tokens are drawn and verified (EngineConfig.sampling)
 
 
 class EngineClient(Protocol):

@@ -125,6 +125,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.sampling_schemes:
+        from loadtest.bench.schemes import compare_schemes
+
+        return compare_schemes(args, settings_from(args))
     if args.policies:
         from loadtest.bench.policies import run_policy_bench
 

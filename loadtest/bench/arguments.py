@@ -81,4 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--policies: acceptance estimator parameters for the simulation (alpha, prior_weight, "
         "pool_alpha, relax, default, decay; see policies/acceptance.py), e.g. pool_alpha=0.05",
     )
+    parser.add_argument(
+        "--sampling-schemes",
+        action="store_true",
+        help="compare the sampling schemes instead (coupled vs rejection: acceptance and tok/s of sampled "
+        "requests at temperatures 0.7 and 1.0, chat and prose prompts); see loadtest/bench/schemes.py",
+    )
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and Markdown results")

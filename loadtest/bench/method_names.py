@@ -30,6 +30,8 @@ from serve_app.engine.proposers.registry import proposer_specs, registered_propo
 
 PREFIX = "specserve-"
 PLAIN, AUTO = "specserve-plain", "specserve-auto"
+# Plain decoding with batch invariance off (runtime.batch_invariant): what exactness costs.
+NONINVARIANT = "specserve-plain-noninvariant"
 DEFAULT_PLAN = "default"  # the suffix of a layer-skipping proposer's default skip set
 ASSISTED = "transformers-assisted"
 TRANSFORMERS = ("transformers-plain", ASSISTED, "transformers-lookup")
@@ -39,7 +41,7 @@ _DEPTH = re.compile(r"d([1-9][0-9]*)")
 class Family(Enum):
     """What a method runs; the values give the report order."""
 
-    PLAIN = 1  # our engine, speculation off
+    PLAIN = 1  # our engine, speculation off (also without batch invariance: NONINVARIANT)
     AUTO = 2  # our engine, the configured policy decides
     MODEL = 3  # a proposer drafting with a model, at the depth its name gives
     LOOKUP = 4  # a proposer without a model, at the settings' depth
@@ -86,7 +88,7 @@ def assistant_role() -> str | None:
 # ------------------------------------------------------------------------------------ names
 def parse_method(name: str) -> MethodName | None:
     """``name`` parsed (see the module docstring), None when it names no method."""
-    if name == PLAIN:
+    if name in (PLAIN, NONINVARIANT):
         return MethodName(name, Family.PLAIN)
     if name == AUTO:
         return MethodName(name, Family.AUTO)
@@ -132,7 +134,7 @@ def in_report_order(names: Iterable[str]) -> list[str]:
 
 def method_names(depths: Sequence[int]) -> list[str]:
     """Every method, in report order, for these depths of the model-based proposers."""
-    names = [PLAIN, AUTO, *TRANSFORMERS]
+    names = [PLAIN, NONINVARIANT, AUTO, *TRANSFORMERS]
     names += [f"{PREFIX}{p}-d{k}" for p in model_proposers() for k in set(depths)]
     names += [f"{PREFIX}{p}" for p in lookup_proposers()]
     names += [f"{PREFIX}{p}{s}" for p in layer_skipping_proposers() for s in ("", f"-{DEFAULT_PLAN}")]

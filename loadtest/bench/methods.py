@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from loadtest.bench.method_names import AUTO, Family, parse_method
+from loadtest.bench.method_names import AUTO, NONINVARIANT, Family, parse_method
 from loadtest.bench.results import Method, Run
 from loadtest.bench.self_spec import self_spec_engine
 from serve_app.config import OFF, Settings
@@ -38,6 +38,17 @@ def specserve_method(engine: Any, n: int, name: str, mode: str = OFF, depth: int
     return Method(name, run, description=description)
 
 
+def without_invariance(method: Method, engine: Any) -> Method:
+    """``method`` run with the engine's row plans and key padding suspended (what invariance costs)."""
+    from serve_app.engine.exactness import suspended
+
+    def run(ids: list[int]) -> Run:
+        with suspended(engine.model):
+            return method.run(ids)
+
+    return Method(method.name, run, description=method.description)
+
+
 def proposer_note(settings: Settings, proposer: str) -> str:
     """The proposer as configured: its model (if it drafts with one) and its options."""
     role = proposer_spec(proposer).model_role
@@ -59,6 +70,10 @@ def our_methods(names: list[str], engine: Any, settings: Settings, n: int) -> li
             continue
         if method.family is Family.AUTO:
             methods.append(auto_method(engine, settings, n))
+        elif name == NONINVARIANT:
+            note = "our engine, plain decoding, batch invariance off (runtime.batch_invariant false)"
+            plain = specserve_method(engine, n, name, OFF, description=note)
+            methods.append(without_invariance(plain, engine))
         elif method.family is Family.PLAIN:
             methods.append(specserve_method(engine, n, name, OFF, description="our engine, plain decoding"))
         elif method.family is Family.LAYERS:

@@ -194,8 +194,8 @@ def to_markdown(result: BenchResult) -> str:
         rows += [[_label(g), "", *(f"{g['identical'][m]}/{g['prompts']} identical" for m in others)]
                  for g in s["groups"]]  # fmt: skip
         lines += [f"### Output vs {ref}", "",
-                  "First timed run of each. In bf16 a divergence is allowed where the target's two best "
-                  "logits are within numerical noise (different batch shapes round differently).", "",
+                  "First timed run of each. Our methods must be identical to plain decoding (speculation "
+                  "is exact); `transformers` methods are another implementation and may part.", "",
                   *_table(["prompt", "kind", *others], rows), ""]  # fmt: skip
     if h := s["headline"]:
         against = ", ".join(f"{x:.2f}x {r} (target >= {h['targets'][r]}x)" for r, x in h["speedup"].items())

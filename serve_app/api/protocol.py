@@ -342,6 +342,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specserve"
+    max_model_len: int | None = None  # the longest sequence (prompt + output) a request may reach
+    # Ours: speculative output is bit-identical to plain decoding on this replica (see the README).
+    exact: bool | None = None
 
 
 class ModelList(BaseModel):

@@ -181,6 +181,16 @@ class _Ingress:
                 raise APIError(503, message, code="engine_unavailable") from None
         return self._info
 
+    @property
+    def has_info(self) -> bool:
+        return self._info is not None
+
+    def card(self, info: EngineInfo) -> p.ModelCard:
+        """The served model as ``/v1/models`` lists it."""
+        return p.ModelCard(
+            id=info.model, created=self.started, max_model_len=info.max_seq_len, exact=info.exact
+        )
+
     def check_model(self, info: EngineInfo, name: str) -> None:
         if name not in {info.model, self.settings.served_model_name}:
             message = f"The model `{name}` does not exist or you do not have access to it."
@@ -324,18 +334,21 @@ def create_app(client: EngineClient, settings: ServerSettings, tracer: object | 
                 ok = bool(await client.health())
         except Exception:
             ok = False
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        body: dict[str, object] = {"status": "ok" if ok else "unavailable"}
+        if ok and ingress.has_info:
+            body["exact"] = (await ingress.info()).exact  # known once the engine answered info()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models", response_model=p.ModelList)
     async def list_models() -> p.ModelList:
         info = await ingress.info()
-        return p.ModelList(data=[p.ModelCard(id=info.model, created=ingress.started)])
+        return p.ModelList(data=[ingress.card(info)])
 
     @app.get("/v1/models/{model_id:path}", response_model=p.ModelCard)
     async def get_model(model_id: str) -> p.ModelCard:
         info = await ingress.info()
         ingress.check_model(info, model_id)
-        return p.ModelCard(id=info.model, created=ingress.started)
+        return ingress.card(info)
 
     @app.post("/v1/completions", responses={200: {"model": p.Completion}})
     async def completions(body: p.CompletionRequest, request: Request) -> Response:

@@ -14,13 +14,16 @@ from serve_app.engine.request import Request
 
 def propose_row(request: Request, depth: int) -> ProposeRow:
     """``request`` as a proposer sees it, asked for ``depth`` tokens: the whole sequence so far
-    (the last token not yet in the target's cache) and its sampling."""
+    (the last token not yet in the target's cache), its sampling and, for coupled sampling, its
+    noise from the next output position on."""
     return ProposeRow(
         request.slot,
         request.prompt_ids + request.output_ids,
         depth,
         request.params,
         request.generator,
+        request.noise,
+        len(request.output_ids),
     )
 
 

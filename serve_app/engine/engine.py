@@ -22,7 +22,8 @@ from serve_app.engine.decoder_config import read_generation_eos
 from serve_app.engine.detokenizer import IncrementalDetokenizer
 from serve_app.engine.device import DTYPES, resolve_device
 from serve_app.engine.drafting import draft_rows, lookahead, planned_request
-from serve_app.engine.engine_config import EngineConfig
+from serve_app.engine.engine_config import COUPLED, EngineConfig
+from serve_app.engine.exactness import Exactness, make_exact
 from serve_app.engine.kv_cache import KVCache
 from serve_app.engine.model import DecoderModel
 from serve_app.engine.params import SamplingParams, SpecOverride
@@ -36,7 +37,7 @@ from serve_app.engine.proposers.base import (
 )
 from serve_app.engine.proposers.registry import ProposerContext, cold_acceptance, create_proposer
 from serve_app.engine.request import Completion, Request, RequestOutput
-from serve_app.engine.sampling import make_generator
+from serve_app.engine.sampling import PositionNoise, make_generator, new_seed
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.stopping import StopChecker
 from serve_app.engine.verify import verify
@@ -66,6 +67,9 @@ class SpecEngine:
         if (self.cache.num_slots, self.cache.max_seq_len) != (config.max_slots, config.max_seq_len):
             raise ValueError("the KV cache passed in does not match max_slots / max_seq_len")
         self.scheduler = Scheduler(self.cache, config.max_waiting)
+        # Whether a row's numbers are independent of its batch here (engine.exactness); None when off.
+        self.exactness = self._make_exact() if config.batch_invariant else None
+        self.exact = self.exactness is not None and self.exactness.exact
         self.proposers: dict[str, Proposer] = dict(proposers or {})
         # Proposers that say their draft length before the step (n-gram): asked for every request.
         self._lookups = {n: p for n, p in self.proposers.items() if isinstance(p, LookaheadProposer)}
@@ -87,6 +91,18 @@ class SpecEngine:
         self.eos_ids = frozenset(i for i in (*eos_ids, tokenizer_eos) if i is not None)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+
+    def _make_exact(self) -> Exactness:
+        """Run the target so that a row's numbers do not depend on its batch or verify width
+        (``engine.exactness``); ``exact`` when that holds on this device: speculation is bit-exact."""
+        found = make_exact(self.model)
+        log.info("exactness: %s", found.describe())
+        if not found.exact:
+            log.warning(
+                "this device cannot make the target's rows independent of their batch (%s); speculative "
+                "output may differ from plain decoding here (exact: false)", found.describe(),
+            )  # fmt: skip
+        return found
 
     @classmethod
     def from_path(
@@ -172,11 +188,14 @@ class SpecEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        coupled = self.config.sampling == COUPLED and not params.greedy
+        seed = new_seed() if params.seed is None else params.seed  # an unseeded request draws one
         request = Request(
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params,
-            generator=None if params.greedy else make_generator(params.seed, self.model.device),
+            generator=None if params.greedy or coupled else make_generator(seed, self.model.device),
+            noise=PositionNoise(seed) if coupled else None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stopper=StopChecker.from_params(params, self.eos_ids),
             speculation=speculation,
@@ -215,7 +234,7 @@ class SpecEngine:
         hidden = self.model.forward(tokens, self.cache, [request.slot])
         self.cache.set_length(request.slot, len(request.prompt_ids))
         logits = self.model.logits(hidden[:, -1:])  # [1, 1, V]
-        result = verify(logits, [[]], [None], [request.params], [request.generator])
+        result = verify(logits, [[]], [None], [request.params], [request.generator], [request.noise_at()])
         return self._emit(request, result.tokens[0])
 
     def _planned(self, request: Request) -> PlannedRequest:
@@ -237,7 +256,8 @@ class SpecEngine:
         hidden = self.model.forward(tokens.to(self.model.device), self.cache, slots)  # [B, 1 + K, H]
         logits = self.model.logits(hidden)  # [B, 1 + K, V]
         result = verify(logits, [d.tokens for d in drafts], [d.probs for d in drafts],
-                        [r.params for r in requests], [r.generator for r in requests])  # fmt: skip
+                        [r.params for r in requests], [r.generator for r in requests],
+                        [r.noise_at() for r in requests])  # fmt: skip
         target_seconds = time.perf_counter() - target_start
         outputs = []
         for request, decision, draft, accepted, emitted in zip(

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from policies import FIXED_POLICY
 
+COUPLED, REJECTION = "coupled", "rejection"  # the sampling schemes (EngineConfig.sampling)
+SAMPLING_SCHEMES = (COUPLED, REJECTION)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -22,3 +25,14 @@ class EngineConfig:
     proposer_options: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     policy: str = FIXED_POLICY  # a registered policy name (`specserve policies`)
     policy_params: Mapping[str, object] = field(default_factory=dict)
+    # "coupled": a sampled token is the exponential race of p under noise fixed by (seed, position)
+    # (sampling.PositionNoise), so seeded output is the same with speculation on or off;
+    # "rejection": classic speculative sampling (accept with min(1, p/q)) on a per-request stream.
+    sampling: str = COUPLED
+    # Probe every product kind at start and run each on a row count whose rows agree with any other
+    # (engine.invariance); off only to measure what it costs.
+    batch_invariant: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sampling not in SAMPLING_SCHEMES:
+            raise ValueError(f"sampling must be one of {SAMPLING_SCHEMES}, got {self.sampling!r}")

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from serve_app.engine.decoder_config import DecoderConfig, rope_tables
+from serve_app.engine.invariance import RowPlan
 from serve_app.engine.kv_cache import CacheBatch, KVCache
 from serve_app.engine.weights import Int8Weight, Weight, linear, prepack, weight_nbytes
 
@@ -47,6 +48,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 # with the query heads of a KV group folded together; above it (prefill), through SDPA. CPU's
 # flash kernel costs ~0.4 ms per call even for one query, i.e. ~11 ms per step on a 28-layer model.
 SMALL_QUERY = 64
+PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's matrix products
+ATTENTION = "attention"  # the plan of a layer's folded query rows (_grouped_attention)
 
 
 def _grouped_attention(
@@ -55,21 +58,44 @@ def _grouped_attention(
     values: torch.Tensor,  # [B, H_kv, S, D]
     mask: torch.Tensor | None,  # [B, 1, T, S] bool or None
     scale: float,
+    plan: RowPlan | None = None,
+    key_block: int = 1,
 ) -> torch.Tensor:
     """Attention for few queries: the G = H / H_kv query heads sharing a KV head become rows.
 
     Head h uses KV head h // G, so ``[B, H, T, D] -> [B, H_kv, G * T, D]`` puts head (kv, g),
-    token t at row g * T + t; the mask is tiled G times along its rows to match.
+    token t at row g * T + t; the mask is tiled G times along its rows to match. For exactness
+    (``engine.invariance``) the G * T rows may be padded to a count of the ``plan`` (zero queries),
+    and the keys to a multiple of ``key_block`` (zero keys, masked): float32 products on some CPUs
+    round a score differently with another number of rows or of keys.
     """
     bsz, heads, steps, dim = q.shape
-    kv_heads = keys.shape[1]
+    kv_heads, width = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    q = q.reshape(bsz, kv_heads, group * steps, dim)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, H_kv, G T, S]
+    rows = group * steps
+    padded_rows = plan.padded(rows) if plan is not None else rows
+    padded_width = -(-width // key_block) * key_block
+    q = q.reshape(bsz, kv_heads, rows, dim)
     if mask is not None:
-        scores.masked_fill_(~mask.repeat(1, 1, group, 1), float("-inf"))
+        mask = mask.repeat(1, 1, group, 1)  # [B, 1, G T, S]
+    if padded_width != width:
+        keys, values = (
+            torch.cat([t, t.new_zeros(bsz, kv_heads, padded_width - width, dim)], dim=2)
+            for t in (keys, values)
+        )
+        if mask is None:
+            mask = torch.ones(bsz, 1, rows, width, dtype=torch.bool, device=q.device)
+        mask = torch.cat([mask, mask.new_zeros(bsz, 1, rows, padded_width - width)], dim=-1)
+    if padded_rows != rows:
+        q = torch.cat([q, q.new_zeros(bsz, kv_heads, padded_rows - rows, dim)], dim=2)
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(bsz, 1, padded_rows - rows, mask.shape[-1])], dim=2)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, H_kv, rows, S]
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(bsz, heads, steps, dim)  # [B, H, T, D]
+    out = torch.matmul(probs, values)  # [B, H_kv, rows, D]
+    return out[:, :, :rows].reshape(bsz, heads, steps, dim)  # [B, H, T, D]
 
 
 @dataclass(frozen=True)
@@ -105,6 +131,9 @@ class DecoderLayer:
         )
         self.down = pack(weights["mlp.down_proj.weight"])
         self.down_bias = weights.get("mlp.down_proj.bias") if cfg.mlp_bias else None
+        # Row plans per product (engine.invariance), set by engine.exactness.make_exact.
+        self.plans: dict[str, RowPlan | None] = dict.fromkeys((*PRODUCTS, ATTENTION))
+        self.key_block = 1  # attention's keys padded to a multiple of this (engine.exactness)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -129,7 +158,8 @@ class DecoderLayer:
         cfg = self.cfg
         bsz, steps, _ = x.shape
         h = _rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
-        qkv = linear(h, self.qkv, self.qkv_bias)  # [B, T, (H + 2 H_kv) D]
+        plans = self.plans
+        qkv = linear(h, self.qkv, self.qkv_bias, plans["qkv"])  # [B, T, (H + 2 H_kv) D]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(bsz, steps, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
@@ -138,17 +168,17 @@ class DecoderLayer:
         cache.write(index, batch, k, v)
         keys, values = cache.read(index, batch)  # [B, H_kv, S, D]
         if steps <= SMALL_QUERY:
-            attn = _grouped_attention(q, keys, values, mask, self.scale)
+            attn = _grouped_attention(q, keys, values, mask, self.scale, plans[ATTENTION], self.key_block)
         else:
             attn = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
                 enable_gqa=cfg.num_heads != cfg.num_kv_heads,
             )  # fmt: skip
         attn = attn.transpose(1, 2).reshape(bsz, steps, self.q_size)  # [B, T, H D]
-        x = x + linear(attn, self.o, self.o_bias)
+        x = x + linear(attn, self.o, self.o_bias, plans["o"])
         h = _rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
-        gate, up = linear(h, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)  # [B, T, I]
-        return x + linear(F.silu(gate) * up, self.down, self.down_bias)
+        gate, up = linear(h, self.gate_up, self.gate_up_bias, plans["gate_up"]).chunk(2, dim=-1)  # [B, T, I]
+        return x + linear(F.silu(gate) * up, self.down, self.down_bias, plans["down"])
 
 
 class DecoderModel:
@@ -179,6 +209,7 @@ class DecoderModel:
         ]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
+        self.head_plan: RowPlan | None = None  # the output head's rows (engine.exactness sets it)
         self._cos, self._sin = (t.to(self.device) for t in rope_tables(hf_config, cfg.head_dim, 0))
         self._rope_len = 0
 
@@ -267,7 +298,7 @@ class DecoderModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output head: ``[..., hidden] -> [..., vocab]`` float32 (-inf outside a restricted head)."""
-        logits = linear(hidden, self.lm_head).float()
+        logits = linear(hidden, self.lm_head, plan=self.head_plan).float()
         if self.head_ids is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))

@@ -10,6 +10,7 @@ import torch
 
 from serve_app.engine.detokenizer import IncrementalDetokenizer
 from serve_app.engine.params import SamplingParams, SpecOverride
+from serve_app.engine.sampling import PositionNoise
 from serve_app.engine.stopping import StopChecker
 
 
@@ -81,7 +82,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None  # None for greedy
+    generator: torch.Generator | None  # rejection sampling's stream; None for greedy and coupled
     detokenizer: IncrementalDetokenizer
     stopper: StopChecker
     speculation: SpecOverride = field(default_factory=SpecOverride)
@@ -94,6 +95,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     aborted: bool = False
+    noise: PositionNoise | None = None  # coupled sampling (sampling.PositionNoise); None otherwise
 
     @property
     def finished(self) -> bool:
@@ -112,6 +114,10 @@ class Request:
     @property
     def tokens_left(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    def noise_at(self) -> tuple[PositionNoise, int] | None:
+        """(noise, output index of the next token) for a coupled request, else None."""
+        return None if self.noise is None else (self.noise, len(self.output_ids))
 
 
 @dataclass(frozen=True)

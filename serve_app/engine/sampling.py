@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -109,3 +110,46 @@ def sample(
         if gen is not None:
             tokens[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
     return tokens
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _position_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for output position ``index`` of a request seeded ``seed`` (splitmix64 of the
+    pair): the same in every process, independent enough across positions for the race below."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class PositionNoise:
+    """Coupled sampling: a request's token at output position ``i`` is ``argmax_v p(v) / E_i(v)``.
+
+    ``E_i(v)`` are i.i.d. Exp(1), drawn on the CPU from a generator seeded by ``(seed, i)`` alone.
+    The smallest of ``E(v) / p(v)`` falls on ``v`` with probability ``p(v)`` (an exponential race,
+    equivalent to the Gumbel-max trick), so every token is an exact draw from ``p``, and positions
+    are independent. Because the noise depends on nothing but the seed and the position, plain
+    decoding, any speculative step (which checks a draft token by equality with this choice), any
+    batch and any replica pick the same token: seeded sampling is reproducible with speculation on
+    or off. A proposer that drafts under the same noise (``argmax q / E``) agrees with the target
+    whenever both races have the same winner.
+    """
+
+    seed: int
+
+    def exponentials(self, index: int, vocab: int) -> torch.Tensor:  # [V] float32 on the CPU
+        generator = torch.Generator(device="cpu").manual_seed(_position_seed(self.seed, index))
+        return torch.empty(vocab, dtype=torch.float32).exponential_(generator=generator)
+
+    def choose(self, probs: torch.Tensor, index: int) -> int:
+        """The token at output position ``index`` for the distribution ``probs`` ``[V]``."""
+        race = probs.float().cpu() / self.exponentials(index, probs.shape[-1])  # [V]
+        return int(race.argmax())
+
+
+def new_seed() -> int:
+    """A fresh 63-bit seed from the OS (what an unseeded request samples with)."""
+    return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)

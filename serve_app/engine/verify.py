@@ -27,6 +27,14 @@ Under greedy decoding (temperature 0) ``p`` is one-hot at the argmax ``a``: ``p(
 >= 1, so a draft is kept iff it equals ``a``, and ``max(0, p - q)`` is concentrated on ``a``. So it
 reduces to "accept while the target's argmax equals the draft; emit the target's argmax", which
 needs no random numbers and is token-identical to plain greedy decoding.
+
+**Coupled sampling** (a row with a ``PositionNoise``, ``sampling.PositionNoise``): the target's
+token at output position ``i`` is its exponential-race choice ``c_i = argmax p_i / E_i``, with the
+noise ``E_i`` fixed by the request's seed and ``i`` alone. A draft token is **accepted** iff it
+equals ``c_i``; the first mismatch emits ``c_i`` (the **recovered** token), a full acceptance emits
+``c_{k+1}`` (the **bonus** token). That is the greedy rule with the race in place of the argmax:
+every token emitted is the very token plain decoding with the same seed emits at that position,
+each an exact draw from ``p``, whatever the proposer, depth or batch. It needs no ``q``.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.engine.params import SamplingParams
-from serve_app.engine.sampling import process_logits
+from serve_app.engine.sampling import PositionNoise, process_logits
 
 
 @dataclass(frozen=True)
@@ -78,21 +86,26 @@ def verify(
     draft_tokens: Sequence[list[int]],  # per row, the drafted tokens (len depth_b <= K, may be 0)
     draft_probs: Sequence[torch.Tensor | None],  # per row, q: [depth_b, V] float32, None = one-hot
     params: Sequence[SamplingParams],  # per row
-    generators: Sequence[torch.Generator | None],  # per row; None for greedy rows
+    generators: Sequence[torch.Generator | None],  # per row; None for greedy and coupled rows
+    noises: Sequence[tuple[PositionNoise, int] | None] | None = None,  # per row: (noise, first index)
 ) -> VerifyOutput:
     """Accept drafted tokens against the target and emit one more token per row.
 
     Row ``b`` uses its first ``depth_b + 1`` positions; the rest of its positions are ignored.
     Greedy rows (``params.greedy``) are decided by argmax, vectorised, consuming no random numbers.
-    Sampling rows draw ``torch.rand(1)`` per examined draft and one ``torch.multinomial`` for the
-    recovered / bonus token from the row's own generator, so a row's result never depends on the
-    other rows; a depth-0 row consumes its generator exactly like ``sampling.sample``.
+    Coupled rows (a ``noises`` entry: the noise and the output index of the row's first position)
+    by the exponential race (module docstring). Other sampling rows draw ``torch.rand(1)`` per
+    examined draft and one ``torch.multinomial`` for the recovered / bonus token from the row's own
+    generator, so a row's result never depends on the other rows; a depth-0 row consumes its
+    generator exactly like ``sampling.sample``.
     """
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must be [B, K + 1, V], got shape {tuple(target_logits.shape)}")
     bsz, positions, vocab = target_logits.shape  # B, K + 1, V
     lengths = {"draft_tokens": len(draft_tokens), "draft_probs": len(draft_probs), "params": len(params)}
     lengths["generators"] = len(generators)
+    noises = list(noises) if noises is not None else [None] * bsz
+    lengths["noises"] = len(noises)
     for name, n in lengths.items():
         if n != bsz:
             raise ValueError(f"{name} has {n} entries for {bsz} rows")
@@ -104,19 +117,30 @@ def verify(
             raise ValueError(f"row {b}: draft token out of range [0, {vocab}): {draft_tokens[b]}")
         if q is not None and tuple(q.shape) != (depth, vocab):
             raise ValueError(f"row {b}: draft_probs must be [{depth}, {vocab}], got {tuple(q.shape)}")
-        if not params[b].greedy and generators[b] is None:
-            raise ValueError(f"row {b}: a sampling row needs a generator")
+        if not params[b].greedy and generators[b] is None and noises[b] is None:
+            raise ValueError(f"row {b}: a sampling row needs a generator or a noise")
 
     num_accepted = [0] * bsz
     tokens: list[list[int]] = [[] for _ in range(bsz)]
     greedy_rows = [b for b in range(bsz) if params[b].greedy]
-    sampling_rows = [b for b in range(bsz) if not params[b].greedy]
+    coupled_rows = [b for b in range(bsz) if not params[b].greedy and noises[b] is not None]
+    sampling_rows = [b for b in range(bsz) if not params[b].greedy and noises[b] is None]
 
     if greedy_rows:
         argmax = target_logits.argmax(dim=-1)[greedy_rows]  # [G, K + 1]; ties -> lowest index
         counts, emitted = _verify_greedy(argmax, [draft_tokens[b] for b in greedy_rows])
         for b, n, toks in zip(greedy_rows, counts, emitted, strict=True):
             num_accepted[b], tokens[b] = n, toks
+
+    if coupled_rows:
+        probs = _target_probs(target_logits, coupled_rows, draft_tokens, params)  # [N, V]
+        start = 0
+        for b in coupled_rows:
+            depth = len(draft_tokens[b])
+            noise, first = noises[b]  # type: ignore[misc]
+            num_accepted[b], tokens[b] = _verify_coupled_row(probs[start : start + depth + 1],
+                                                             draft_tokens[b], noise, first)  # fmt: skip
+            start += depth + 1
 
     if sampling_rows:
         device = target_logits.device
@@ -213,3 +237,37 @@ def _verify_sampling_row(
     # Bonus (or, at depth 0, the plain decoding draw: one multinomial, exactly like `sample`).
     bonus = int(torch.multinomial(p[depth], 1, generator=gen)[0])
     return depth, [*draft, bonus]
+
+
+def _target_probs(
+    target_logits: torch.Tensor,  # [B, K + 1, V]
+    rows: list[int],
+    draft_tokens: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+) -> torch.Tensor:  # [N, V]: each row's first depth_b + 1 positions, rows in order
+    """One ``process_logits`` call for every used (row, position)."""
+    device = target_logits.device
+    row_idx = [b for b in rows for _ in range(len(draft_tokens[b]) + 1)]
+    pos_idx = [j for b in rows for j in range(len(draft_tokens[b]) + 1)]
+    flat = target_logits[torch.tensor(row_idx, device=device), torch.tensor(pos_idx, device=device)]  # [N, V]
+    return process_logits(
+        flat,
+        torch.tensor([params[b].temperature for b in row_idx], device=device),
+        torch.tensor([params[b].top_k for b in row_idx], device=device),
+        torch.tensor([params[b].top_p for b in row_idx], device=device),
+    )
+
+
+def _verify_coupled_row(
+    p: torch.Tensor,  # [depth + 1, V] target distributions
+    draft: list[int],  # len depth
+    noise: PositionNoise,
+    first: int,  # output index of position 0
+) -> tuple[int, list[int]]:
+    """Accept while the draft equals the target's race choice; then emit the choice."""
+    for j, x in enumerate(draft):
+        choice = noise.choose(p[j], first + j)
+        if choice != x:
+            return j, [*draft[:j], choice]
+    depth = len(draft)
+    return depth, [*draft, noise.choose(p[depth], first + depth)]

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from serve_app.engine.invariance import RowPlan
+
 
 def _fbgemm_available() -> bool:
     return any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))
@@ -115,8 +117,24 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for any weight format."""
+def linear(
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, plan: RowPlan | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for any weight format. With a ``plan`` (``engine.invariance``) the
+    product runs on at least as many rows as makes each row's result independent of the others:
+    zero rows are appended and sliced off again."""
+    if plan is not None:
+        flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        rows = flat.shape[0]
+        padded = plan.padded(rows)
+        if padded != rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
+            out = _product(flat, weight, bias)[:rows]
+            return out.view(*x.shape[:-1], out.shape[-1])
+    return _product(x, weight, bias)
+
+
+def _product(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(weight, Int8Weight):
         out = weight.matmul(x)
         return out if bias is None else out + bias
@@ -130,3 +148,11 @@ def weight_nbytes(weight: Weight) -> int:
     if isinstance(weight, Int8Weight):
         return weight.nbytes
     return weight.numel() * weight.element_size()
+
+
+def product_kind(weight: Weight) -> str:
+    """What decides a product's kernel: the format, dtype and shape (one row probe per kind)."""
+    if isinstance(weight, Int8Weight):
+        return f"int8 {weight.out_features}x{weight.in_features}"
+    layout = "prepacked" if weight.is_mkldnn else "dense"
+    return f"{layout} {str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}"

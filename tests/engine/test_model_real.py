@@ -61,22 +61,19 @@ def test_greedy_generation_matches_transformers_fp32(smollm2_path, hf_fp32, toke
         assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
 
 
-def test_greedy_bf16_diverges_only_at_near_ties(smollm2_path, tokenizer) -> None:
-    """bf16 kernels round differently from transformers'; any divergence must be a near-tie."""
+def test_bf16_logits_match_transformers_bf16_within_its_precision(smollm2_path, hf_fp32, tokenizer) -> None:
+    """Against transformers in bf16 (another implementation, other roundings) the promise is
+    closeness of the logits, not equal tokens; both stay within bf16's precision of the float32
+    reference. (Equality is what speculation promises against our own plain decoding:
+    test_exact_real.)"""
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
-    engine = SpecEngine.from_path(smollm2_path, EngineConfig(max_slots=1, max_seq_len=256), "bfloat16", "cpu")
-    for text in PROMPTS:
-        prompt = engine.encode_prompt(text)
-        ours = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
-        ref_ids = ref[0, len(prompt) :].tolist()
-        if ours.token_ids == ref_ids:
-            continue
-        first = next(i for i, (a, b) in enumerate(zip(ours.token_ids, ref_ids, strict=True)) if a != b)
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + ref_ids[:first]])).logits[0, -1].float()
-        top2 = logits.topk(2).values
-        # bf16 carries 8 bits of mantissa: logits around 20 are only resolved to ~0.1.
-        noise = 2**-7 * max(top2[0].abs().item(), 1.0) * 4
-        assert (top2[0] - top2[1]).item() <= noise, (text, first, top2)
+    ours = DecoderModel.from_pretrained(smollm2_path, dtype=torch.bfloat16)
+    ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"] + tokenizer(PROMPTS[2])["input_ids"]])
+    with torch.no_grad():
+        ref = hf_fp32(ids).logits
+        theirs = hf(ids).logits.float()
+    cache = ours.new_cache(1, 128)
+    got = ours.logits(ours.forward(ids, cache, [cache.allocate()]))
+    scale = ref.abs().max().item()
+    theirs_error = (theirs - ref).abs().max().item()
+    assert (got - ref).abs().max().item() < max(2 * theirs_error, 0.05 * scale)

@@ -4,7 +4,8 @@ The exact distribution of the first three sampled tokens is computed from the ta
 (with the same temperature / top-k / top-p processing); thousands of seeded requests through the
 engine, with a sampling draft model and with the deterministic n-gram proposer, must match it
 (chi-square on the marginals of tokens 2 and 3, which come from verification steps); likewise
-with the target drafting for itself through its first layer (self-speculation).
+with the target drafting for itself through its first layer (self-speculation). Both sampling
+schemes: coupled (the default: the race under per-position noise) and rejection (min(1, p/q)).
 """
 
 from __future__ import annotations
@@ -99,8 +100,12 @@ def assert_distributed_as(samples: torch.Tensor, expected: torch.Tensor) -> None
     [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6, top_p=0.9)],
     ids=["t1", "t0.7-k6-p0.9"],
 )
-@pytest.mark.parametrize("method", ["plain", "draft", "ngram", "self"])
-def test_first_tokens_distributed_as_plain_sampling(target_hf, params, method) -> None:
+@pytest.mark.parametrize(
+    ("method", "scheme"),
+    [(m, "coupled") for m in ("plain", "draft", "ngram", "self")]
+    + [("draft", "rejection"), ("self", "rejection")],
+)
+def test_first_tokens_distributed_as_plain_sampling(target_hf, params, method, scheme) -> None:
     tokenizer = word_tokenizer()
     model = DecoderModel.from_hf_model(target_hf)
     cache = model.new_cache(8, 32)
@@ -113,7 +118,7 @@ def test_first_tokens_distributed_as_plain_sampling(target_hf, params, method) -
     elif method == "self":  # the target's first layer drafts (samples from q, records it)
         proposers["self"] = SelfSpecProposer(model, cache, (1,))
     config = EngineConfig(max_slots=8, max_seq_len=32, spec_method=None if method == "plain" else method,
-                          spec_depth=2, max_waiting=SAMPLES)  # fmt: skip
+                          spec_depth=2, max_waiting=SAMPLES, sampling=scheme)  # fmt: skip
     engine = SpecEngine(model, tokenizer, config, proposers=proposers, cache=cache)
     samples = sample_tokens(engine, params)
     p2, p3 = exact_marginals(target_hf, params)
@@ -121,12 +126,13 @@ def test_first_tokens_distributed_as_plain_sampling(target_hf, params, method) -
     assert_distributed_as(samples[:, 2], p3)
 
 
-def test_fixed_seed_reproduces_speculative_sampling(target_hf) -> None:
+@pytest.mark.parametrize("scheme", ["coupled", "rejection"])
+def test_fixed_seed_reproduces_speculative_sampling(target_hf, scheme) -> None:
     tokenizer = word_tokenizer()
     outputs = []
     for _ in range(2):
         draft = DecoderModel.from_hf_model(make_tiny_hf_model(VOCAB, seed=11))
-        config = EngineConfig(max_slots=4, max_seq_len=64, spec_method="draft", spec_depth=3)
+        config = EngineConfig(max_slots=4, max_seq_len=64, spec_method="draft", spec_depth=3, sampling=scheme)
         engine = SpecEngine(DecoderModel.from_hf_model(target_hf), tokenizer, config,
                             proposers={"draft": DraftModelProposer(draft, VOCAB, 4, 64)})  # fmt: skip
         params = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
@@ -136,3 +142,32 @@ def test_fixed_seed_reproduces_speculative_sampling(target_hf) -> None:
         assert sum(r.spec_stats.steps_none_accepted for r in results) > 0
     assert outputs[0] == outputs[1]
     assert len({tuple(o) for o in outputs[0]}) > 1  # different seeds, different samples
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "self"])
+def test_coupled_seeded_output_is_the_same_with_speculation_on_or_off(target_hf, method) -> None:
+    """The same seed gives the same tokens whatever the proposer and depth (rejection sampling
+    cannot promise that: it spends its random stream differently when it speculates)."""
+    from serve_app.engine.params import SpecOverride
+
+    tokenizer = word_tokenizer()
+    model = DecoderModel.from_hf_model(target_hf)
+    cache = model.new_cache(4, 64)
+    proposers = {
+        "draft": lambda: DraftModelProposer(
+            DecoderModel.from_hf_model(make_tiny_hf_model(VOCAB, seed=11)), VOCAB, 4, 64
+        ),
+        "ngram": lambda: NgramProposer(2, 1),
+        "self": lambda: SelfSpecProposer(model, cache, (1,)),
+    }
+    config = EngineConfig(max_slots=4, max_seq_len=64, spec_method=method, spec_depth=3, max_depth=8)
+    engine = SpecEngine(model, tokenizer, config, proposers={method: proposers[method]()}, cache=cache)
+    params = [SamplingParams(max_tokens=24, temperature=t, top_p=0.9, seed=s, ignore_eos=True)
+              for s, t in enumerate((1.0, 0.7, 1.3, 0.9))]  # fmt: skip
+    plain = [r.token_ids for r in engine.generate([PROMPT] * 4, params, SpecOverride("off"))]
+    accepted = 0
+    for depth in (1, 2, 5, 8):
+        results = engine.generate([PROMPT] * 4, params, SpecOverride(method, depth))
+        assert [r.token_ids for r in results] == plain, depth
+        accepted += sum(r.spec_stats.accepted for r in results)
+    assert accepted > 0

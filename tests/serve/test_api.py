@@ -239,6 +239,16 @@ def test_models_and_health(http: TestClient, engine: FakeEngine) -> None:
     assert http.get("/health").status_code == 503
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_models_and_health_say_whether_speculation_is_exact_here(
+    http: TestClient, engine: FakeEngine, exact
+) -> None:
+    engine.info_ = dataclasses.replace(engine.info_, exact=exact)
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["exact"] is exact and card["max_model_len"] == 512
+    assert http.get("/health").json() == {"status": "ok", "exact": exact}
+
+
 # --- errors --------------------------------------------------------------------------------------------
 
 IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]

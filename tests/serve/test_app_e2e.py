@@ -244,6 +244,24 @@ def test_stream_equals_plain_decoding(client: openai.OpenAI) -> None:
 
 @pytest.mark.slow
 @pytest.mark.pack("smollm2-135m-instruct")
+def test_seeded_sampling_is_the_same_with_speculation_on_or_off_streamed_or_not(
+    base_url: str, client: openai.OpenAI
+) -> None:
+    sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 5, "max_tokens": 32}
+    spec = chat(client, **sampled)
+    plain = chat(client, extra_body={"speculation": {"mode": "off"}}, **sampled)
+    streamed, speculation, _ = streamed_text(client, **sampled)
+    assert spec.model_extra["speculation"]["drafted"] > 0 and speculation["drafted"] > 0
+    assert spec.choices[0].message.content == plain.choices[0].message.content == streamed
+    other = chat(client, **{**sampled, "seed": 6}).choices[0].message.content
+    assert other != streamed  # the seed, not a fixed stream, decides
+    card = client.models.list().data[0].model_extra
+    assert card["exact"] is True and card["max_model_len"] == MAX_SEQ_LEN
+    assert requests.get(f"{base_url}/health", timeout=30).json() == {"status": "ok", "exact": True}
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
 def test_completions_and_concurrent_requests(client: openai.OpenAI) -> None:
     prompts = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n", "Once upon a time"]
 

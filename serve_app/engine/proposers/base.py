@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from serve_app.engine.params import SamplingParams
+from serve_app.engine.sampling import PositionNoise
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,11 @@ class ProposeRow:
     token_ids: list[int]  # prompt + output so far; the last token is not yet in the target's cache
     depth: int  # how many tokens to draft (>= 1)
     params: SamplingParams  # the request's sampling settings (a sampling draft applies them too)
-    generator: torch.Generator | None  # the request's generator; None = greedy request
+    generator: torch.Generator | None  # the request's generator; None = greedy or coupled request
+    # Coupled sampling (sampling.PositionNoise): the request's noise and the output index of the
+    # first token to draft; a model-based proposer drafts argmax q / E under the target's noise.
+    noise: PositionNoise | None = None
+    first_index: int = 0
 
 
 @dataclass(frozen=True)

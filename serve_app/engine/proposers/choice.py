@@ -1,9 +1,12 @@
 """How a model-based proposer picks its next draft token for each row, and what q it records.
 
-A greedy request drafts the argmax (q is one-hot, so no q is recorded). A sampling request draws
-from the proposer's own distribution after the request's temperature / top-k / top-p
-(``sampling.process_logits``) with the request's generator, and records that distribution as q,
-so that verification accepts with min(1, p/q) and the output stays distributed as the target's.
+A greedy request drafts the argmax (q is one-hot, so no q is recorded). A coupled sampling request
+(``sampling.PositionNoise``) drafts the winner of the exponential race of its own distribution q
+under the target's noise for that output position, ``argmax q / E``: verification accepts it iff
+the target's race has the same winner, so no q is recorded either. Any other sampling request
+draws from q (the proposer's distribution after the request's temperature / top-k / top-p,
+``sampling.process_logits``) with the request's generator, and records q, so that verification
+accepts with min(1, p/q) and the output stays distributed as the target's.
 The confidence (the top probability) lets a proposer stop a draft early; any stopping rule that
 looks only at the proposer's own distribution keeps verification exact.
 """
@@ -28,10 +31,14 @@ class Choice:
 
 
 def choose_tokens(
-    rows: list[ProposeRow], logits: torch.Tensor, need_confidence: bool = False
+    rows: list[ProposeRow],
+    logits: torch.Tensor,
+    need_confidence: bool = False,
+    drafted: list[int] | None = None,
 ) -> list[Choice]:
-    """The next draft token of every row from the proposer's ``logits`` ``[B, V]`` (float32)."""
-    if all(row.generator is None for row in rows):
+    """The next draft token of every row from the proposer's ``logits`` ``[B, V]`` (float32);
+    ``drafted[b]``: how many tokens row ``b`` has drafted this step (its output position offset)."""
+    if all(row.generator is None and (row.noise is None or row.params.greedy) for row in rows):
         if need_confidence:
             top, picked = logits.softmax(dim=-1).max(dim=-1)  # [B], [B]
             return [Choice(t, None, c) for t, c in zip(picked.tolist(), top.tolist(), strict=True)]
@@ -44,6 +51,10 @@ def choose_tokens(
         torch.tensor([r.params.top_p for r in rows], device=device),
     )  # [B, V]
     picked = sample(q, [r.generator for r in rows]).tolist()
+    offsets = drafted or [0] * len(rows)
+    for b, row in enumerate(rows):
+        if row.noise is not None and not row.params.greedy:
+            picked[b] = row.noise.choose(q[b], row.first_index + offsets[b])
     confidence = q.max(dim=-1).values.tolist()  # [B]
     return [
         Choice(t, None if r.generator is None else q[b], confidence[b])

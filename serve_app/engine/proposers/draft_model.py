@@ -100,7 +100,9 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = list(range(len(rows)))
         while True:
-            chosen = choose_tokens([rows[i] for i in active], logits, self.min_confidence > 0)
+            chosen = choose_tokens(
+                [rows[i] for i in active], logits, self.min_confidence > 0, [len(tokens[i]) for i in active]
+            )
             unsure = set()
             for i, choice in zip(active, chosen, strict=True):
                 tokens[i].append(choice.token)

@@ -138,7 +138,12 @@ class SelfSpecProposer:
                 batch = torch.tensor([[feed[i]] for i in active], device=self.model.device)  # [A, 1]
                 hidden = self.model.forward(batch, cache, [rows[i].slot for i in active])  # [A, 1, H]
                 logits = self.model.logits(hidden[:, -1])  # [A, V] float32
-                chosen = choose_tokens([rows[i] for i in active], logits, self.min_confidence > 0)
+                chosen = choose_tokens(
+                    [rows[i] for i in active],
+                    logits,
+                    self.min_confidence > 0,
+                    [len(tokens[i]) for i in active],
+                )
                 still = []
                 for i, choice in zip(active, chosen, strict=True):
                     tokens[i].append(choice.token)

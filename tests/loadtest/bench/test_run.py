@@ -306,10 +306,10 @@ def test_cost_curve_table() -> None:
 # ------------------------------------------------------------------------------------ methods, CLI
 def test_method_selection() -> None:
     assert select_methods(None, [4, 2]) == [
-        OURS, "specserve-auto", D2, "specserve-draft-d4", "specserve-ngram", "specserve-self",
-        "specserve-self-default", HF, AS, "transformers-lookup"]  # fmt: skip
+        OURS, "specserve-plain-noninvariant", "specserve-auto", D2, "specserve-draft-d4", "specserve-ngram",
+        "specserve-self", "specserve-self-default", HF, AS, "transformers-lookup"]  # fmt: skip
     assert select_methods(None, [2], no_transformers=True) == [
-        OURS, "specserve-auto", D2, "specserve-ngram", "specserve-self",
+        OURS, "specserve-plain-noninvariant", "specserve-auto", D2, "specserve-ngram", "specserve-self",
         "specserve-self-default"]  # fmt: skip
     # Any draft depth may be named; the order is the report's whatever the order asked in.
     assert select_methods([AS, "specserve-draft-d3", OURS], [2]) == [OURS, "specserve-draft-d3", AS]
@@ -385,21 +385,12 @@ def test_copy_bandwidth_is_positive() -> None:
 # ------------------------------------------------------------------------------------ tiny model
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_tokenizer):
-    from serve_app.engine.engine import SpecEngine
-    from serve_app.engine.engine_config import EngineConfig
-    from serve_app.engine.model import DecoderModel
-    from serve_app.engine.proposers.draft_model import DraftModelProposer
-    from serve_app.engine.proposers.ngram import NgramProposer
-    from tests.conftest import make_tiny_hf_model
+    from tests.conftest import make_tiny_engine, make_tiny_hf_model
 
     hf = make_tiny_hf_model(len(tiny_tokenizer), seed=0)
-    draft = DecoderModel.from_hf_model(hf)  # the target as its own draft: everything accepted
-    proposers = {
-        "draft": DraftModelProposer(draft, draft.cfg.vocab_size, 4, 256),
-        "ngram": NgramProposer(3, 1),
-    }
-    config = EngineConfig(max_slots=4, max_seq_len=256, spec_depth=4)
-    return SpecEngine(DecoderModel.from_hf_model(hf), tiny_tokenizer, config, [0], proposers)
+    # The target as its own draft: everything accepted.
+    proposers = {"draft": {}, "ngram": {"max_ngram": 3, "min_ngram": 1}}
+    return make_tiny_engine(hf, tiny_tokenizer, proposers=proposers, depth=4, slots=4, max_seq_len=256)
 
 
 def test_our_methods_report_speculation(tiny_engine, tiny_tokenizer) -> None:

@@ -1,0 +1,100 @@
+"""Row invariance: the probe finds the row counts whose rows agree, linear pads to them, and the
+model's one-row decode equals the same row inside a wider verify forward, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve_app.engine.exactness import make_exact
+from serve_app.engine.invariance import PROBE_ROWS, RowPlan, attention_agrees, probe_rows
+from serve_app.engine.model import DecoderModel, _grouped_attention
+from serve_app.engine.weights import linear
+from tests.conftest import make_tiny_hf_model
+
+
+def rounding_below(threshold: int):
+    """A product whose rows round differently when fewer than ``threshold`` rows run together."""
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        out = x.sum(dim=-1, keepdim=True).repeat(1, 3)
+        return out + 1e-3 if x.shape[0] < threshold else out
+
+    return product
+
+
+def test_probe_finds_the_agreeing_counts() -> None:
+    plan = probe_rows(rounding_below(4), 8, torch.float32, torch.device("cpu"))
+    assert plan.agreeing == frozenset(range(4, PROBE_ROWS + 1)) and plan.tail_from == 4
+    assert (plan.padded(1), plan.padded(3), plan.padded(4), plan.padded(40)) == (4, 4, 4, 40)
+    assert plan.invariant and plan.min_rows == 4
+
+
+def test_a_product_that_depends_on_every_count_is_not_invariant() -> None:
+    plan = probe_rows(lambda x: x[:, :2] * x.shape[0], 8, torch.float32, torch.device("cpu"))
+    assert not plan.invariant and plan.padded(3) == 3
+    assert "not row-invariant" in plan.describe()
+
+
+def test_position_dependent_rows_are_not_invariant() -> None:
+    def by_position(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :1] + torch.arange(x.shape[0], dtype=x.dtype)[:, None]
+
+    assert not probe_rows(by_position, 4, torch.float32, torch.device("cpu")).invariant
+
+
+def test_gaps_are_padded_to_the_next_agreeing_count() -> None:
+    plan = RowPlan(frozenset({4, 8, *range(12, PROBE_ROWS + 1)}), 12)  # float32 F.linear on AVX2
+    assert [plan.padded(m) for m in (1, 4, 5, 9, 12, 13)] == [4, 4, 8, 12, 12, 13]
+    assert plan.describe() == "row-invariant at [4, 8] and from 12 rows"
+
+
+def test_linear_with_a_plan_runs_the_padded_count_and_slices() -> None:
+    weight = torch.randn(5, 8)
+    x = torch.randn(2, 3, 8)
+    plan = RowPlan(frozenset({8, *range(8, PROBE_ROWS + 1)}), 8)
+    out = linear(x, weight, plan=plan)
+    padded = torch.cat([x.reshape(6, 8), torch.zeros(2, 8)])
+    assert out.shape == (2, 3, 5)
+    assert torch.equal(out.reshape(6, 5), torch.nn.functional.linear(padded, weight)[:6])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_do_not_depend_on_queries_or_padding_keys_once_padded(dtype) -> None:
+    model = DecoderModel.from_hf_model(make_tiny_hf_model(300, layers=1), dtype=dtype)
+    found = make_exact(model)
+    assert found.exact
+    plan = model.layers[0].plans["attention"]
+
+    def attend(*args):
+        return _grouped_attention(*args, plan=plan, key_block=found.key_block)
+
+    assert attention_agrees(attend, 4, 2, 16, dtype, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decoded_token_equals_itself_in_a_wider_verify_forward(dtype) -> None:
+    model = DecoderModel.from_hf_model(make_tiny_hf_model(300, layers=2), dtype=dtype)
+    found = make_exact(model)
+    assert found.plans and found.exact
+    prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
+    cache = model.new_cache(2, 64)
+    slot = cache.allocate()
+    model.forward(prompt, cache, [slot])
+    cache.set_length(slot, prompt.shape[1])
+    one = model.logits(model.forward(torch.tensor([[42]]), cache, [slot]))  # a plain decode step
+    wide = model.logits(model.forward(torch.tensor([[42, 3, 4, 5, 6, 7, 8]]), cache, [slot]))  # verify
+    assert torch.equal(one[0, 0], wide[0, 0])
+
+
+def test_suspended_runs_without_the_plans_and_restores_them() -> None:
+    from serve_app.engine.exactness import suspended
+
+    model = DecoderModel.from_hf_model(make_tiny_hf_model(300, layers=1))
+    found = make_exact(model)
+    before = dict(model.layers[0].plans), model.layers[0].key_block, model.head_plan
+    with suspended(model):
+        assert all(plan is None for plan in model.layers[0].plans.values()) and model.head_plan is None
+        assert model.layers[0].key_block == 1
+    assert (dict(model.layers[0].plans), model.layers[0].key_block, model.head_plan) == before
+    assert found.key_block == before[1]
