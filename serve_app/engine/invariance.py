@@ -58,7 +58,8 @@ class RowPlan:
         if self.tail_from == 1:
             return "row-invariant at any count"
         pads = sorted(n for n in self.agreeing if n < self.tail_from)
-        return f"row-invariant at {pads} and from {self.tail_from} rows"
+        counts = f"at {pads} and " if pads else ""
+        return f"row-invariant {counts}from {self.tail_from} rows"
 
 
 EXACT = RowPlan(frozenset(range(1, PROBE_ROWS + 1)), 1)  # what an invariant kind needs no padding for
