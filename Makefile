@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	echo "$(TORCH_PIN)" > $(VENV)/constraints.txt
 	$(PIP) install -q $(FIND_LINKS) -c $(VENV)/constraints.txt -e ".[dev]"
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), 'torch ' + torch.__version__ + ', not 2.13.0'"
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m serve_app.native_build
 	touch $@
 
 venv install: $(VENV)/.installed

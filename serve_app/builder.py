@@ -121,6 +121,7 @@ def engine_config(
         policy_params=dict(spec.policy_params),
         sampling=spec.sampling,
         batch_invariant=settings.runtime.batch_invariant,
+        weight_format=settings.runtime.weight_format,
     )
 
 

@@ -56,6 +56,11 @@ class RuntimeSettings(_Section):
     threads: int | None = Field(
         None, ge=1, description="torch intra-op threads; null keeps torch's default (all cores)."
     )
+    weight_format: Literal["dense", "q8"] = Field(
+        "dense",
+        description="The target's matrices: dense (the dtype above) or q8 (int8 with a scale per 32 inputs, "
+        "multiplied with int8 activations by our compiled kernel: half the bytes of bf16).",
+    )
     batch_invariant: bool = Field(
         True,
         description="Run every product on a row count whose rows agree with any other, so that speculative "

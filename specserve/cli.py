@@ -125,6 +125,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.quality:
+        from loadtest.bench.quality import measure_quality
+
+        return measure_quality(args, settings_from(args))
     if args.sampling_schemes:
         from loadtest.bench.schemes import compare_schemes
 

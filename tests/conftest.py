@@ -109,7 +109,8 @@ def make_tiny_engine(
     from serve_app.engine.proposers.registry import ProposerContext, create_proposer
 
     is_built = isinstance(target_hf, DecoderModel)
-    model = target_hf if is_built else DecoderModel.from_hf_model(target_hf, dtype)
+    weight_format = config.get("weight_format", "dense")
+    model = target_hf if is_built else DecoderModel.from_hf_model(target_hf, dtype, weight_format)
     # Made first: a proposer that drafts inside the target's cache (self-speculation) needs it.
     cache = model.new_cache(slots, max_seq_len)
     wanted = dict(proposers) if isinstance(proposers, Mapping) else {name: {} for name in proposers}

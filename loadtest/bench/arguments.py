@@ -87,4 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compare the sampling schemes instead (coupled vs rejection: acceptance and tok/s of sampled "
         "requests at temperatures 0.7 and 1.0, chat and prose prompts); see loadtest/bench/schemes.py",
     )
+    parser.add_argument(
+        "--quality",
+        action="store_true",
+        help="measure the weight formats' quality instead (perplexity and top-1 agreement with float32 "
+        "on 8 x --max-tokens tokens of textwrap.py); see loadtest/bench/quality.py",
+    )
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and Markdown results")

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from serve_app.engine.proposers.registry import proposer_specs, registered_proposers
+from serve_app.engine.weights import WEIGHT_FORMATS
 
 PREFIX = "specserve-"
 PLAIN, AUTO = "specserve-plain", "specserve-auto"
@@ -35,6 +36,7 @@ NONINVARIANT = "specserve-plain-noninvariant"
 DEFAULT_PLAN = "default"  # the suffix of a layer-skipping proposer's default skip set
 ASSISTED = "transformers-assisted"
 TRANSFORMERS = ("transformers-plain", ASSISTED, "transformers-lookup")
+LLAMA_CPP = "llama.cpp-plain"  # the peer on the pack's own GGUF (loadtest.bench.llama_cpp)
 _DEPTH = re.compile(r"d([1-9][0-9]*)")
 
 
@@ -47,6 +49,7 @@ class Family(Enum):
     LOOKUP = 4  # a proposer without a model, at the settings' depth
     LAYERS = 5  # a layer-skipping proposer on an engine of its own
     TRANSFORMERS = 6  # `transformers` `generate`
+    PEER = 7  # another engine: llama.cpp on the same GGUF
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class MethodName:
     proposer: str | None = None
     depth: int | None = None  # the k of ``-d<k>``
     default_plan: bool = False  # ``-default``: a layer-skipping proposer's default skip set
+    weight_format: str | None = None  # ``+<format>``: the target's weights in that format
 
 
 # ------------------------------------------------------------------------------------ the registry
@@ -87,13 +91,24 @@ def assistant_role() -> str | None:
 
 # ------------------------------------------------------------------------------------ names
 def parse_method(name: str) -> MethodName | None:
-    """``name`` parsed (see the module docstring), None when it names no method."""
+    """``name`` parsed (see the module docstring), None when it names no method. Any of our methods
+    may end in ``+<weight format>`` (e.g. ``specserve-plain+q8``): the same on the target in that
+    format (``runtime.weight_format``)."""
+    base, plus, weights = name.partition("+")
+    if plus:
+        parsed = parse_method(base)
+        ours = parsed is not None and parsed.family not in (Family.TRANSFORMERS, Family.PEER)
+        return (
+            replace(parsed, name=name, weight_format=weights) if ours and weights in WEIGHT_FORMATS else None
+        )
     if name in (PLAIN, NONINVARIANT):
         return MethodName(name, Family.PLAIN)
     if name == AUTO:
         return MethodName(name, Family.AUTO)
     if name in TRANSFORMERS:
         return MethodName(name, Family.TRANSFORMERS)
+    if name == LLAMA_CPP:
+        return MethodName(name, Family.PEER)
     if not name.startswith(PREFIX):
         return None
     rest = name.removeprefix(PREFIX)
@@ -119,11 +134,12 @@ def draft_depth(method: str) -> int | None:
     return parsed.depth if parsed else None
 
 
-def _order(method: MethodName) -> tuple[int, int, bool, int, int]:
+def _order(method: MethodName) -> tuple[int, int, bool, int, int, int]:
     registry = list(registered_proposers())
     rank = registry.index(method.proposer) if method.proposer else 0
     theirs = TRANSFORMERS.index(method.name) if method.family is Family.TRANSFORMERS else 0
-    return method.family.value, rank, method.default_plan, method.depth or 0, theirs
+    weights = WEIGHT_FORMATS.index(method.weight_format) + 1 if method.weight_format else 0
+    return method.family.value, rank, method.default_plan, method.depth or 0, theirs, weights
 
 
 def in_report_order(names: Iterable[str]) -> list[str]:
@@ -134,7 +150,7 @@ def in_report_order(names: Iterable[str]) -> list[str]:
 
 def method_names(depths: Sequence[int]) -> list[str]:
     """Every method, in report order, for these depths of the model-based proposers."""
-    names = [PLAIN, NONINVARIANT, AUTO, *TRANSFORMERS]
+    names = [PLAIN, NONINVARIANT, AUTO, *TRANSFORMERS, LLAMA_CPP]
     names += [f"{PREFIX}{p}-d{k}" for p in model_proposers() for k in set(depths)]
     names += [f"{PREFIX}{p}" for p in lookup_proposers()]
     names += [f"{PREFIX}{p}{s}" for p in layer_skipping_proposers() for s in ("", f"-{DEFAULT_PLAN}")]

@@ -10,6 +10,7 @@ over the same weights under the configured policy (``auto_method``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from loadtest.bench.method_names import AUTO, NONINVARIANT, Family, parse_method
@@ -58,36 +59,43 @@ def proposer_note(settings: Settings, proposer: str) -> str:
     return f"{proposer}{model}" + (f" ({listed})" if listed else "")
 
 
-def our_methods(names: list[str], engine: Any, settings: Settings, n: int) -> list[Method]:
-    """Our methods among ``names``, on the shared engine (see the module docstring)."""
+def our_methods(
+    names: list[str], engine_for: Callable[[str | None], Any], settings: Settings, n: int
+) -> list[Method]:
+    """Our methods among ``names``, on the shared engine of their weight format (``engine_for``:
+    format or None for the settings' -> engine; see the module docstring)."""
     from loadtest.bench.engine import target_folder
 
     spec = settings.speculation
     methods = []
     for name in names:
         method = parse_method(name)
-        if method is None or method.family is Family.TRANSFORMERS:
+        if method is None or method.family in (Family.TRANSFORMERS, Family.PEER):
             continue
+        engine = engine_for(method.weight_format)
+        weights = f" ({method.weight_format} weights)" if method.weight_format else ""
         if method.family is Family.AUTO:
-            methods.append(auto_method(engine, settings, n))
-        elif name == NONINVARIANT:
+            methods.append(auto_method(engine, settings, n, name))
+        elif name.partition("+")[0] == NONINVARIANT:
             note = "our engine, plain decoding, batch invariance off (runtime.batch_invariant false)"
             plain = specserve_method(engine, n, name, OFF, description=note)
             methods.append(without_invariance(plain, engine))
         elif method.family is Family.PLAIN:
-            methods.append(specserve_method(engine, n, name, OFF, description="our engine, plain decoding"))
+            methods.append(
+                specserve_method(engine, n, name, OFF, description=f"our engine, plain decoding{weights}")
+            )
         elif method.family is Family.LAYERS:
             own, depth, note = self_spec_engine(engine, method.proposer, target_folder(settings), spec.depth,
                                                 method.default_plan, method.depth)  # fmt: skip
             methods.append(specserve_method(own, n, name, method.proposer, depth, note))
         else:  # a model-based proposer at the method's depth, a lookup at the settings'
             depth = method.depth or spec.depth
-            note = f"our engine, {proposer_note(settings, method.proposer)}, depth {depth}"
+            note = f"our engine{weights}, {proposer_note(settings, method.proposer)}, depth {depth}"
             methods.append(specserve_method(engine, n, name, method.proposer, depth, note))
     return methods
 
 
-def auto_method(engine: Any, settings: Settings, n: int) -> Method:
+def auto_method(engine: Any, settings: Settings, n: int, name: str = AUTO) -> Method:
     """Requests that leave speculation to the server ("auto"): the configured policy with its cost
     model profiled on these models, as a replica starts. A second engine over the same weights and
     proposers (its own KV cache, in which a layer-skipping proposer drafts), used one request at a
@@ -115,4 +123,4 @@ def auto_method(engine: Any, settings: Settings, n: int) -> Method:
     if spec.profile_cost_model:
         auto.profile_cost_model()
     note = f'our engine, speculation "auto": policy {spec.policy} over {", ".join(auto.proposers)}'
-    return specserve_method(auto, n, AUTO, "auto", None, note)
+    return specserve_method(auto, n, name, "auto", None, note)

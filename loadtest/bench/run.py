@@ -27,8 +27,10 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from loadtest.bench.engine import bench_engine, drop_unfit_defaults, require_model, target_folder
+from loadtest.bench.llama_cpp import llama_cpp_method
 from loadtest.bench.machine import (
     bytes_per_token,
     kv_bytes_per_position,
@@ -38,6 +40,7 @@ from loadtest.bench.machine import (
 from loadtest.bench.method_names import (
     ASSISTED,
     AUTO,
+    LLAMA_CPP,
     TRANSFORMERS,
     assistant_role,
     draft_depth,
@@ -124,12 +127,27 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
     needed += model_proposers()[:1] if args.cost_curve else []
     optional = settings.speculation.loaded_proposers() if AUTO in names else []  # as a replica loads
     n, rt, ref, spec = args.max_tokens, settings.runtime, settings.model.target, settings.speculation
-    engine = bench_engine(settings, needed, optional=optional, max_slots=max([1, *concurrencies]),
-                          depth=max([spec.depth, *depths]), n=n)  # fmt: skip
+    shape = {
+        "optional": optional,
+        "max_slots": max([1, *concurrencies]),
+        "depth": max([spec.depth, *depths]),
+        "n": n,
+    }
+    engine = bench_engine(settings, needed, **shape)
     model = engine.model
     print(f"measuring copy bandwidth on {model.device} ...", file=sys.stderr)
     bandwidth = measure_copy_bandwidth(model.device)
-    methods = our_methods(names, engine, settings, n)
+    engines = {None: engine}
+
+    def engine_for(weight_format: str | None) -> Any:
+        """The shared engine, or one like it on the target in another weight format (``+q8``)."""
+        if weight_format not in engines:
+            runtime = settings.runtime.model_copy(update={"weight_format": weight_format})
+            other = settings.model_copy(update={"runtime": runtime})
+            engines[weight_format] = bench_engine(other, needed, **shape)
+        return engines[weight_format]
+
+    methods = our_methods(names, engine_for, settings, n)
     if theirs := [m for m in names if m in TRANSFORMERS]:
         store = model_store(settings)
         assistant = store.resolve(getattr(settings.model, role)) if ASSISTED in theirs and role else None
@@ -137,6 +155,12 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
         pad = min(engine.eos_ids, default=0) if pad is None else pad
         methods += transformers_methods(theirs, store.resolve(ref), assistant, DTYPES[rt.dtype],
                                         model.device, n, pad)  # fmt: skip
+    if LLAMA_CPP in names:
+        import torch
+
+        threads = rt.threads or torch.get_num_threads()
+        peer = llama_cpp_method(model_store(settings), ref, n, threads, engine.config.max_seq_len)
+        methods += [peer] if peer is not None else []
     encoded = {p: engine.encode_prompt(p.text, chat=p.chat) for p in prompts}
     results = time_methods(methods, prompts, encoded, n, args.repeats, args.warmup)
     sweep = None

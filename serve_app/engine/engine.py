@@ -118,7 +118,9 @@ class SpecEngine:
         from transformers import AutoTokenizer
 
         config = config or EngineConfig()
-        model = DecoderModel.from_pretrained(path, DTYPES[dtype], resolve_device(device))
+        model = DecoderModel.from_pretrained(
+            path, DTYPES[dtype], resolve_device(device), weight_format=config.weight_format
+        )
         tokenizer = AutoTokenizer.from_pretrained(path)
         cache = model.new_cache(config.max_slots, config.max_seq_len)
         context = ProposerContext(

@@ -17,7 +17,7 @@ definition, and no real token attends to it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,15 @@ import torch.nn.functional as F
 from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
 from serve_app.engine.kv_cache import CacheBatch, KVCache
-from serve_app.engine.weights import Int8Weight, Weight, linear, prepack, weight_nbytes
+from serve_app.engine.weights import (
+    WEIGHT_FORMATS,
+    Int8Weight,
+    Q8Weight,
+    Weight,
+    linear,
+    prepack,
+    weight_nbytes,
+)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,8 +122,9 @@ class DraftOptions:
 class DecoderLayer:
     """One pre-norm transformer block; plain tensors, no nn.Module call overhead."""
 
-    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], int8: bool = False) -> None:
-        pack = Int8Weight.quantize if int8 else prepack
+    def __init__(
+        self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], pack: Callable = prepack
+    ) -> None:
         self.cfg = cfg
         self.attn_norm = weights["input_layernorm.weight"]
         self.mlp_norm = weights["post_attention_layernorm.weight"]
@@ -190,8 +199,12 @@ class DecoderModel:
         hf_config: object,
         weights: Mapping[str, torch.Tensor],
         draft: DraftOptions | None = None,
+        weight_format: str = "dense",
     ) -> None:
         draft = draft or DraftOptions()
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+        q8 = weight_format == "q8"
         self.cfg = cfg
         self.hf_config = hf_config
         self.embed = weights["model.embed_tokens.weight"]
@@ -202,10 +215,12 @@ class DecoderModel:
         if draft.head_ids is not None:
             self.head_ids = torch.tensor(sorted(set(draft.head_ids)), device=head.device)
             head = head.index_select(0, self.head_ids)
-        # A tied, unrestricted head shares the embedding table, which must stay plain for lookups.
-        self.lm_head = head if head is self.embed else prepack(head)
+        # A tied, unrestricted head shares the embedding table, which must stay plain for lookups
+        # (a q8 head is a copy: the table stays for the lookups).
+        self.lm_head = Q8Weight.quantize(head) if q8 else head if head is self.embed else prepack(head)
+        pack = Int8Weight.quantize if draft.int8 else Q8Weight.quantize if q8 else prepack
         self.layers = [
-            DecoderLayer(cfg, _sub(weights, f"model.layers.{i}."), draft.int8) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, _sub(weights, f"model.layers.{i}."), pack) for i in range(cfg.num_layers)
         ]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
@@ -221,6 +236,7 @@ class DecoderModel:
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
         draft: DraftOptions | None = None,
+        weight_format: str = "dense",
     ) -> DecoderModel:
         """Load a Hugging Face folder (config.json + *.safetensors)."""
         from safetensors import safe_open
@@ -237,15 +253,19 @@ class DecoderModel:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-        return cls(cfg, hf_config, weights, draft)
+        return cls(cfg, hf_config, weights, draft, weight_format)
 
     @classmethod
-    def from_hf_model(cls, hf_model: torch.nn.Module, dtype: torch.dtype | None = None) -> DecoderModel:
+    def from_hf_model(
+        cls, hf_model: torch.nn.Module, dtype: torch.dtype | None = None, weight_format: str = "dense"
+    ) -> DecoderModel:
         """Build from an in-memory ``transformers`` model (tests): same weights, our runtime."""
         state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
-        return cls(DecoderConfig.from_hf(hf_model.config), hf_model.config, state)
+        return cls(
+            DecoderConfig.from_hf(hf_model.config), hf_model.config, state, weight_format=weight_format
+        )
 
     def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
         """A slot cache sized for this model."""

@@ -80,7 +80,49 @@ class Int8Weight:
         return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
-Weight = torch.Tensor | Int8Weight
+@dataclass(frozen=True)
+class Q8Weight:
+    """``weight ≈ int8[out, in] * scale[out, in / 32]``: one fp16 scale per block of 32 inputs (as
+    llama.cpp's Q8_0), multiplied by ``kernels/q8_linear.cpp`` with int8 activations quantized per
+    row and block. Integer block sums and a fixed order of the float steps make every row's result
+    independent of the other rows, so a target may run on it (its numbers are those of these
+    weights: plain and speculative decoding agree with each other, not with the bf16 weights)."""
+
+    data: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out, in / 32] fp16 bits as int16
+
+    BLOCK = 32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + 2 * self.scales.numel()
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Q8Weight:
+        """Per block of 32 inputs: scale = max|w| / 127 (rounded to fp16 first), q = round(w / scale)."""
+        out_features, in_features = weight.shape
+        if in_features % cls.BLOCK:
+            raise ValueError(f"q8 needs input features in multiples of {cls.BLOCK}, got {in_features}")
+        blocks = weight.float().reshape(out_features, in_features // cls.BLOCK, cls.BLOCK)
+        scales = (blocks.abs().amax(dim=-1) / 127.0).to(torch.float16)  # [out, in / 32]
+        divisor = scales.float().unsqueeze(-1)
+        q = torch.where(divisor > 0, torch.round(blocks / divisor.clamp(min=1e-30)), 0.0).clamp(-127, 127)
+        return cls(q.to(torch.int8).reshape(out_features, in_features).contiguous(), scales.view(torch.int16))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from serve_app.engine.kernels import require_q8
+
+        flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        out = require_q8().q8_linear(flat, self.data, self.scales)  # [M, out] float32
+        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
+Weight = torch.Tensor | Int8Weight | Q8Weight
+WEIGHT_FORMATS = ("dense", "q8")  # a target's layer matrices (and head): as loaded, or Q8Weight
 
 
 # Below this many elements a float32 product is too short for oneDNN's per-call overhead to pay.
@@ -135,7 +177,7 @@ def linear(
 
 
 def _product(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    if isinstance(weight, Int8Weight):
+    if isinstance(weight, Int8Weight | Q8Weight):
         out = weight.matmul(x)
         return out if bias is None else out + bias
     if weight.is_mkldnn:
@@ -145,7 +187,7 @@ def _product(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torc
 
 def weight_nbytes(weight: Weight) -> int:
     """Bytes a product with this weight reads."""
-    if isinstance(weight, Int8Weight):
+    if isinstance(weight, Int8Weight | Q8Weight):
         return weight.nbytes
     return weight.numel() * weight.element_size()
 
@@ -154,5 +196,7 @@ def product_kind(weight: Weight) -> str:
     """What decides a product's kernel: the format, dtype and shape (one row probe per kind)."""
     if isinstance(weight, Int8Weight):
         return f"int8 {weight.out_features}x{weight.in_features}"
+    if isinstance(weight, Q8Weight):
+        return f"q8 {weight.shape[0]}x{weight.shape[1]}"
     layout = "prepacked" if weight.is_mkldnn else "dense"
     return f"{layout} {str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}"

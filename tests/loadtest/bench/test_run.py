@@ -307,10 +307,11 @@ def test_cost_curve_table() -> None:
 def test_method_selection() -> None:
     assert select_methods(None, [4, 2]) == [
         OURS, "specserve-plain-noninvariant", "specserve-auto", D2, "specserve-draft-d4", "specserve-ngram",
-        "specserve-self", "specserve-self-default", HF, AS, "transformers-lookup"]  # fmt: skip
+        "specserve-self", "specserve-self-default", HF, AS, "transformers-lookup",
+        "llama.cpp-plain"]  # fmt: skip
     assert select_methods(None, [2], no_transformers=True) == [
         OURS, "specserve-plain-noninvariant", "specserve-auto", D2, "specserve-ngram", "specserve-self",
-        "specserve-self-default"]  # fmt: skip
+        "specserve-self-default", "llama.cpp-plain"]  # fmt: skip
     # Any draft depth may be named; the order is the report's whatever the order asked in.
     assert select_methods([AS, "specserve-draft-d3", OURS], [2]) == [OURS, "specserve-draft-d3", AS]
     assert draft_depth("specserve-draft-d12") == 12 and draft_depth(OURS) is None
@@ -419,3 +420,18 @@ def test_measure_sweep_and_cost_curve_on_a_tiny_model(tiny_engine, tiny_tokenize
     assert set(curve.target) == {1, 2} and set(curve.target[2]) == {1, 4}
     assert all(len(v) == 2 and min(v) > 0 for row in curve.target.values() for v in row.values())
     assert set(curve.draft) == {1, 2}
+
+
+def test_a_method_may_name_a_weight_format() -> None:
+    from loadtest.bench.method_names import Family, parse_method
+
+    parsed = parse_method("specserve-draft-d4+q8")
+    assert (parsed.family, parsed.proposer, parsed.depth, parsed.weight_format) == (
+        Family.MODEL,
+        "draft",
+        4,
+        "q8",
+    )
+    assert parse_method("specserve-plain+q8").family is Family.PLAIN
+    assert parse_method("transformers-plain+q8") is None and parse_method("specserve-plain+int3") is None
+    assert select_methods(["specserve-plain+q8", OURS], [2]) == [OURS, "specserve-plain+q8"]

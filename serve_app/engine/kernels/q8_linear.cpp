@@ -1,0 +1,202 @@
+// Products on int8 weights with int8 activations, exact in the rows: the Q8 weight format.
+//
+// Weights: int8 [N, K] with one fp16 scale per block of 32 along K (K a multiple of 32), as
+// llama.cpp's Q8_0. Activations: quantized here, per row and per block of 32, to int8 with a
+// float scale max|x| / 127 (llama.cpp's Q8 activations). Output element (m, n):
+//
+//     sum over blocks b, in order, of  scale_w[n, b] * scale_x[m, b] * (int32 sum of w * x in b)
+//
+// The integer sums are exact; the float steps run in the same order for every (m, n) whatever
+// the number of rows or threads, so a row's result never depends on the other rows (the engine's
+// exactness needs that). AVX2: each block is one _mm256_maddubs_epi16 (|w| x sign(w) * x, both in
+// [-127, 127], so the pair sums cannot saturate) and one _mm256_madd_epi16; the eight int32 lanes
+// go to float and into two sets of eight float accumulators (even and odd blocks), summed in a
+// fixed order at the end. Without AVX2 a scalar loop computes the same lanes in the same order.
+// Threads split the output features, never a dot product; a weight row is read from memory once
+// and then from L1 for each group of activation rows.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SPECSERVE_AVX2 1
+#else
+#define SPECSERVE_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+float half_to_float(uint16_t h) {
+#if SPECSERVE_AVX2
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// Per row and block: q = round(x / s) in [-127, 127], s = max|x| / 127 (0 for an all-zero block).
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* scales) {
+  const int64_t blocks = k / kBlock;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = x + m * k + b * kBlock;
+        float amax = 0.f;
+        for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float s = amax / 127.f;
+        const float inv = s > 0.f ? 1.f / s : 0.f;
+        int8_t* qb = q + m * k + b * kBlock;
+        for (int64_t i = 0; i < kBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+        scales[m * blocks + b] = s;
+      }
+    }
+  });
+}
+
+#if SPECSERVE_AVX2
+inline float lanes_sum(__m256 v) {  // a fixed order: (0+4) (1+5) (2+6) (3+7), then pairs
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  __m128 s = _mm_add_ps(lo, hi);
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 block_dot(__m256i w, __m256i x) {  // 8 int32 partial sums of one block, as floats
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+}
+#endif
+
+constexpr int64_t kGroup = 4;  // activation rows sharing each load of a weight block
+
+#if SPECSERVE_AVX2
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// One weight row against G activation rows. Blocks go alternately into two accumulators per row
+// (even blocks, odd blocks: more independent work per cycle), the float order fixed per (m, n).
+template <int G>
+void dot_group_avx2(const int8_t* w, const uint16_t* ws, const int8_t* x, const float* sx, int64_t k,
+                    float* out, int64_t out_stride) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[G][2];
+  for (int r = 0; r < G; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 4 <= blocks; b += 4) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 16) * kBlock), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 18) * kBlock), _MM_HINT_T0);
+    const __m128 sw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ws + b)));
+    __m256i wv[4], aw[4];
+    for (int j = 0; j < 4; ++j) {
+      wv[j] = load32(w + (b + j) * kBlock);
+      aw[j] = _mm256_sign_epi8(wv[j], wv[j]);  // |w|, shared by the rows
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < G; ++r) {
+      const __m128 sc = _mm_mul_ps(sw, _mm_loadu_ps(sx + r * blocks + b));
+      const float scale[4] = {_mm_cvtss_f32(sc), _mm_cvtss_f32(_mm_shuffle_ps(sc, sc, 1)),
+                              _mm_cvtss_f32(_mm_shuffle_ps(sc, sc, 2)), _mm_cvtss_f32(_mm_shuffle_ps(sc, sc, 3))};
+      for (int j = 0; j < 4; ++j) {
+        const __m256i xv = load32(x + r * k + (b + j) * kBlock);
+        const __m256i p16 = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, wv[j]));
+        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+        acc[r][j & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(scale[j]), acc[r][j & 1]);
+      }
+    }
+  }
+  for (; b < blocks; ++b) {  // the tail (blocks not a multiple of 4) into the even accumulator
+    const __m256i wv = load32(w + b * kBlock);
+    const float swb = half_to_float(ws[b]);
+    for (int r = 0; r < G; ++r) {
+      const __m256 p = block_dot(wv, load32(x + r * k + b * kBlock));
+      acc[r][0] = _mm256_fmadd_ps(p, _mm256_set1_ps(swb * sx[r * blocks + b]), acc[r][0]);
+    }
+  }
+  for (int r = 0; r < G; ++r) out[r * out_stride] = lanes_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+#endif
+
+// The same numbers without AVX2: each lane of each accumulator as the vector code has it.
+void dot_row_scalar(const int8_t* w, const uint16_t* ws, const int8_t* x, const float* sx, int64_t k, float* out) {
+  const int64_t blocks = k / kBlock;
+  float acc[2][8] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int parity = b < blocks - blocks % 4 ? static_cast<int>(b & 1) : 0;
+    const float scale = half_to_float(ws[b]) * sx[b];
+    for (int lane = 0; lane < 8; ++lane) {
+      int32_t sum = 0;
+      for (int j = 0; j < 4; ++j) {  // madd: a lane holds 4 consecutive products
+        const int64_t c = b * kBlock + lane * 4 + j;
+        sum += static_cast<int32_t>(w[c]) * static_cast<int32_t>(x[c]);
+      }
+      acc[parity][lane] = std::fma(static_cast<float>(sum), scale, acc[parity][lane]);
+    }
+  }
+  float l[8];
+  for (int i = 0; i < 8; ++i) l[i] = acc[0][i] + acc[1][i];
+  *out = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+// out[m, 0] for every activation row m and one weight row, rows in groups of kGroup.
+void dot_rows(const int8_t* w, const uint16_t* ws, const int8_t* xq, const float* xs, int64_t rows, int64_t k,
+              float* out, int64_t out_stride) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t m = 0; m < rows; m += kGroup) {
+    const int8_t* x = xq + m * k;
+    const float* sx = xs + m * blocks;
+    float* o = out + m * out_stride;
+#if SPECSERVE_AVX2
+    switch (std::min(kGroup, rows - m)) {
+      case 4: dot_group_avx2<4>(w, ws, x, sx, k, o, out_stride); break;
+      case 3: dot_group_avx2<3>(w, ws, x, sx, k, o, out_stride); break;
+      case 2: dot_group_avx2<2>(w, ws, x, sx, k, o, out_stride); break;
+      default: dot_group_avx2<1>(w, ws, x, sx, k, o, out_stride); break;
+    }
+#else
+    for (int64_t r = 0; r < std::min(kGroup, rows - m); ++r)
+      dot_row_scalar(w, ws, x + r * k, sx + r * blocks, k, o + r * out_stride);
+#endif
+  }
+}
+
+}  // namespace
+
+// x [M, K] (float32 or bf16), weight int8 [N, K], scales fp16-as-int16 [N, K / 32] -> [M, N] float32.
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && scales.dim() == 2, "q8_linear: 2-d tensors expected");
+  TORCH_CHECK(weight.scalar_type() == torch::kInt8, "q8_linear: weight must be int8");
+  TORCH_CHECK(scales.scalar_type() == torch::kInt16, "q8_linear: scales must be fp16 bits as int16");
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k && k % kBlock == 0, "q8_linear: K must match and be a multiple of 32");
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == k / kBlock, "q8_linear: scales must be [N, K / 32]");
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto w = weight.contiguous();
+  auto ws = scales.contiguous();
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> xs(rows * (k / kBlock));
+  quantize_rows(xf.data_ptr<float>(), rows, k, xq.data(), xs.data());
+  auto out = torch::empty({rows, n}, torch::kFloat32);
+  float* o = out.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(ws.data_ptr<int16_t>());
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      dot_rows(wp + j * k, sp + j * (k / kBlock), xq.data(), xs.data(), rows, k, o + j, n);
+  });
+  return out;
+}
+
+bool q8_vectorized() { return SPECSERVE_AVX2; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q8_linear", &q8_linear, "x @ dequant(weight).T with int8 activations (exact in the rows)");
+  m.def("vectorized", &q8_vectorized, "whether the AVX2 kernel was compiled in");
+}

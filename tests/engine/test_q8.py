@@ -1,0 +1,103 @@
+"""The Q8 weight format: int8 weights with a scale per 32 inputs, int8 activations, our kernel.
+
+Its products are exact in the rows by construction (integer block sums, float steps in a fixed
+order), so a target may run on it and speculation stays bit-exact against plain decoding of the
+same weights; against the dense weights it is close, not equal.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from serve_app.engine.exactness import make_exact
+from serve_app.engine.invariance import probe_rows
+from serve_app.engine.kernels import q8_module
+from serve_app.engine.model import DecoderModel
+from serve_app.engine.params import SamplingParams, SpecOverride
+from serve_app.engine.weights import Q8Weight, linear
+from tests.conftest import make_tiny_engine, make_tiny_hf_model
+
+if q8_module() is None:
+    if os.environ.get("CI"):
+        pytest.fail("the q8 kernel is not built (make install builds it)", pytrace=False)
+    pytest.skip("the q8 kernel is not built: run `python -m serve_app.native_build`", allow_module_level=True)
+
+
+def reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
+    """The same arithmetic in float64: dequantized weights times row-quantized activations."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inverse = torch.where(scale > 0, 1.0 / scale.clamp(min=1e-30), 0.0)  # the kernel multiplies by 1 / s
+    xq = torch.round(blocks * inverse) * scale
+    w = (
+        weight.data.double().reshape(weight.shape[0], -1, 32)
+        * weight.scales.view(torch.float16).double()[..., None]
+    )
+    return xq.reshape(x.shape).double() @ w.reshape(weight.shape).T
+
+
+def test_quantized_weights_are_close_to_the_dense_ones() -> None:
+    weight = torch.randn(64, 256)
+    q = Q8Weight.quantize(weight)
+    dense = (q.data.float().reshape(64, 8, 32) * q.scales.view(torch.float16).float()[..., None]).reshape(
+        64, 256
+    )
+    assert (dense - weight).abs().max() <= weight.abs().max() / 127
+    assert q.nbytes == 64 * 256 + 2 * 64 * 8
+    with pytest.raises(ValueError, match="multiples of 32"):
+        Q8Weight.quantize(torch.randn(4, 40))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_computes_the_quantized_product(dtype) -> None:
+    torch.manual_seed(0)
+    weight = Q8Weight.quantize(torch.randn(96, 320))
+    x = torch.randn(5, 320).to(dtype)
+    got = q8_module().q8_linear(x, weight.data, weight.scales)
+    want = reference(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (5, 96)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(linear(x, weight), got.to(dtype))
+
+
+def test_rows_agree_at_every_count() -> None:
+    weight = Q8Weight.quantize(torch.randn(200, 512))
+    plan = probe_rows(lambda x: linear(x, weight), 512, torch.float32, torch.device("cpu"))
+    assert plan.tail_from == 1 and plan.padded(1) == 1
+
+
+def test_a_q8_target_is_exact_and_close_to_the_dense_one() -> None:
+    hf = make_tiny_hf_model(300, layers=2)
+    dense = DecoderModel.from_hf_model(hf)
+    q8 = DecoderModel.from_hf_model(hf, weight_format="q8")
+    found = make_exact(q8)
+    assert found.exact and all(p.tail_from == 1 for k, p in found.plans.items() if k.startswith("q8"))
+    tokens = torch.tensor([[5, 9, 11, 2, 7, 30, 42, 3]])
+    logits = {}
+    for name, model in (("dense", dense), ("q8", q8)):
+        cache = model.new_cache(1, 32)
+        logits[name] = model.logits(model.forward(tokens, cache, [cache.allocate()]))
+    gap = (logits["q8"] - logits["dense"]).abs().max() / logits["dense"].abs().max()
+    assert gap < 0.05
+    assert (logits["q8"].argmax(-1) == logits["dense"].argmax(-1)).float().mean() >= 0.75
+
+
+def test_speculation_on_a_q8_target_equals_its_plain_decoding(tiny_tokenizer) -> None:
+    hf = make_tiny_hf_model(tiny_tokenizer.vocab_size, layers=2)
+    engine = make_tiny_engine(
+        hf, tiny_tokenizer, proposers=["ngram", "self"], method="ngram", weight_format="q8"
+    )
+    assert engine.exact
+    prompts = [
+        tiny_tokenizer("def add(a, b):")["input_ids"],
+        tiny_tokenizer("for i in range(10):")["input_ids"],
+    ]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)]  # fmt: skip
+    plain = [r.token_ids for r in engine.generate(prompts, params, SpecOverride("off"))]
+    for mode in ("ngram", "self"):
+        for depth in (1, 4):
+            assert [r.token_ids for r in engine.generate(prompts, params, SpecOverride(mode, depth))] == plain
