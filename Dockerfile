@@ -18,8 +18,9 @@ ARG PYTHON_IMAGE=python:3.11-slim
 
 # ---------------------------------------------------------------------------------- build
 FROM ${PYTHON_IMAGE} AS build
+# g++: `make install` compiles our q8 kernel (serve_app/native_build.py) for AVX2 hosts.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make \
+    && apt-get install -y --no-install-recommends make g++ \
     && rm -rf /var/lib/apt/lists/*
 
 # torch: the README's route is the pinned CPU wheel from local disk (`make install` passes
