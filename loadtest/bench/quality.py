@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from loadtest.bench.results import write_table
 from serve_app.config import Settings
 
 FORMATS = (("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "q8"), ("float32", "q8"))
@@ -74,10 +74,5 @@ def measure_quality(args: argparse.Namespace, settings: Settings) -> int:
         f"| {r['dtype']} | {r['weights']} | {r['perplexity']:.4f} | {r['top1_agreement']:.3f} |" for r in rows
     ]
     text = "\n".join(lines) + "\n"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"quality-{time.strftime('%Y%m%d-%H%M%S')}"
-    (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"command": sys.argv, "rows": rows}, indent=1))
-    print(text)
+    write_table(args.out, "quality", text, rows)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from loadtest.bench.sweeps import CostCurve, Sweep
@@ -60,3 +61,19 @@ class BenchResult:
     method_notes: dict[str, str] = field(default_factory=dict)  # method -> what exactly it runs
     sweep: Sweep | None = None
     cost_curve: CostCurve | None = None
+
+
+def write_table(out: str, prefix: str, markdown: str, rows: list[dict[str, Any]]) -> Path:
+    """Write a side measurement's Markdown and JSON (with the command) into ``out``; print the
+    Markdown. Returns the Markdown file's path."""
+    import json
+    import sys
+    import time
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    (folder / f"{stem}.md").write_text(markdown)
+    (folder / f"{stem}.json").write_text(json.dumps({"command": sys.argv, "rows": rows}, indent=1))
+    print(markdown)
+    return folder / f"{stem}.md"

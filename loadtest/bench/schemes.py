@@ -14,15 +14,14 @@ alternating order, so a drifting machine slows both alike.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from loadtest.bench.engine import bench_engine
+from loadtest.bench.results import write_table
 from loadtest.catalogue import TRACES, of_kinds
 from serve_app.config import Settings
 from serve_app.engine.engine_config import SAMPLING_SCHEMES
@@ -115,10 +114,5 @@ def compare_schemes(args: argparse.Namespace, settings: Settings) -> int:
     title = (f"Sampling schemes: {settings.model.target} + {DEFAULT_PROPOSER} at depth {depth}, {n} tokens, "
              f"{', '.join(kinds)} prompts, {args.repeats} seed(s) each")  # fmt: skip
     text = markdown(rows, title)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"schemes-{time.strftime('%Y%m%d-%H%M%S')}"
-    (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"command": sys.argv, "rows": rows}, indent=1))
-    print(text)
+    write_table(args.out, "schemes", text, rows)
     return 0
