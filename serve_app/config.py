@@ -56,10 +56,11 @@ class RuntimeSettings(_Section):
     threads: int | None = Field(
         None, ge=1, description="torch intra-op threads; null keeps torch's default (all cores)."
     )
-    weight_format: Literal["dense", "q8"] = Field(
+    weight_format: Literal["dense", "q8", "gguf"] = Field(
         "dense",
-        description="The target's matrices: dense (the dtype above) or q8 (int8 with a scale per 32 inputs, "
-        "multiplied with int8 activations by our compiled kernel: half the bytes of bf16).",
+        description="The target's matrices: dense (the dtype above); q8 (int8 with a scale per 32 inputs); "
+        "gguf (a model pack's own GGUF blocks: Q4_K as they are, Q6_K as q8). q8 and gguf multiply with "
+        "int8 activations in our compiled kernels (row-invariant, so speculation stays exact).",
     )
     batch_invariant: bool = Field(
         True,

@@ -12,7 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from serve_app.engine.kernels import BUILD_DIR, Q8_NAME, Q8_SOURCE
+from serve_app.engine.kernels import BUILD_DIR, MODULE_NAME, SOURCES
 
 
 def cpu_flags() -> set[str]:
@@ -26,7 +26,7 @@ def cpu_flags() -> set[str]:
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the Q8 kernel; returns the library's path."""
+    """Compile the kernels into one library; returns its path."""
     from torch.utils.cpp_extension import load
 
     vectorized = {"avx2", "fma", "f16c"} <= cpu_flags()
@@ -37,8 +37,11 @@ def build(verbose: bool = False) -> Path:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    load(Q8_NAME, [str(Q8_SOURCE)], extra_cflags=flags, build_directory=str(work), verbose=verbose)
-    built = next(work.glob(f"{Q8_NAME}*.so"))
+    sources = [str(s) for s in SOURCES]
+    load(MODULE_NAME, sources, extra_cflags=flags, build_directory=str(work), verbose=verbose)
+    built = next(work.glob(f"{MODULE_NAME}*.so"))
+    for stale in BUILD_DIR.glob("*.so"):  # an earlier build's library (or an older module name)
+        stale.unlink()
     target = BUILD_DIR / built.name
     shutil.copy2(built, target)
     shutil.rmtree(work)
@@ -49,10 +52,10 @@ def main() -> int:
     try:
         path = build(verbose="-v" in sys.argv)
     except Exception as exc:  # the dense formats still work; say why this one will not
-        print(f"specserve: building the q8 kernel failed ({type(exc).__name__}: {exc}); "
-              "runtime.weight_format q8 stays unavailable", file=sys.stderr)  # fmt: skip
+        print(f"specserve: building the kernels failed ({type(exc).__name__}: {exc}); "
+              "the q8 and gguf weight formats stay unavailable", file=sys.stderr)  # fmt: skip
         return 1
-    print(f"specserve: q8 kernel built: {path}")
+    print(f"specserve: kernels built: {path}")
     return 0
 
 

@@ -46,12 +46,13 @@ def make_tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
 
 
 def make_tiny_hf_model(
-    vocab_size: int, arch: str = "llama", seed: int = 0, layers: int = 2
+    vocab_size: int, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64
 ) -> torch.nn.Module:
-    """A random float32 transformers decoder small enough for many runs in a test."""
+    """A random float32 transformers decoder small enough for many runs in a test (``hidden``
+    256 gives every matrix whole Q4_K super-blocks)."""
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     config = config_cls(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=0,
     )  # fmt: skip

@@ -17,20 +17,21 @@ definition, and no real token attends to it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from serve_app.engine.block_file import read_blocks
 from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
 from serve_app.engine.kv_cache import CacheBatch, KVCache
+from serve_app.engine.packing import LayerPacker, model_packer
+from serve_app.engine.quantized import QuantizedWeight
 from serve_app.engine.weights import (
     WEIGHT_FORMATS,
-    Int8Weight,
-    Q8Weight,
     Weight,
     linear,
     prepack,
@@ -123,22 +124,23 @@ class DecoderLayer:
     """One pre-norm transformer block; plain tensors, no nn.Module call overhead."""
 
     def __init__(
-        self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], pack: Callable = prepack
+        self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], pack: LayerPacker | None = None
     ) -> None:
+        pack = pack or (lambda names: prepack(torch.cat([weights[n] for n in names])))
         self.cfg = cfg
         self.attn_norm = weights["input_layernorm.weight"]
         self.mlp_norm = weights["post_attention_layernorm.weight"]
-        self.qkv = pack(torch.cat([weights[f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+        self.qkv = pack([f"self_attn.{n}_proj.weight" for n in "qkv"])
         self.qkv_bias = (
             torch.cat([weights[f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.qkv_bias else None
         )
-        self.o = pack(weights["self_attn.o_proj.weight"])
+        self.o = pack(["self_attn.o_proj.weight"])
         self.o_bias = weights.get("self_attn.o_proj.bias") if cfg.o_bias else None
-        self.gate_up = pack(torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]))
+        self.gate_up = pack(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
         self.gate_up_bias = (
             torch.cat([weights["mlp.gate_proj.bias"], weights["mlp.up_proj.bias"]]) if cfg.mlp_bias else None
         )
-        self.down = pack(weights["mlp.down_proj.weight"])
+        self.down = pack(["mlp.down_proj.weight"])
         self.down_bias = weights.get("mlp.down_proj.bias") if cfg.mlp_bias else None
         # Row plans per product (engine.invariance), set by engine.exactness.make_exact.
         self.plans: dict[str, RowPlan | None] = dict.fromkeys((*PRODUCTS, ATTENTION))
@@ -200,11 +202,15 @@ class DecoderModel:
         weights: Mapping[str, torch.Tensor],
         draft: DraftOptions | None = None,
         weight_format: str = "dense",
+        blocks: Mapping[str, QuantizedWeight] | None = None,
     ) -> None:
+        """``blocks``: the GGUF's quantized matrices by name (``block_file.read_blocks``), which the
+        ``gguf`` weight format uses where it has them (any other matrix: re-quantized to Q8)."""
         draft = draft or DraftOptions()
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
-        q8 = weight_format == "q8"
+        pack = model_packer(weight_format, draft.int8, blocks or {})
+        self.weight_format = weight_format
         self.cfg = cfg
         self.hf_config = hf_config
         self.embed = weights["model.embed_tokens.weight"]
@@ -216,12 +222,20 @@ class DecoderModel:
             self.head_ids = torch.tensor(sorted(set(draft.head_ids)), device=head.device)
             head = head.index_select(0, self.head_ids)
         # A tied, unrestricted head shares the embedding table, which must stay plain for lookups
-        # (a q8 head is a copy: the table stays for the lookups).
-        self.lm_head = Q8Weight.quantize(head) if q8 else head if head is self.embed else prepack(head)
-        pack = Int8Weight.quantize if draft.int8 else Q8Weight.quantize if q8 else prepack
-        self.layers = [
-            DecoderLayer(cfg, _sub(weights, f"model.layers.{i}."), pack) for i in range(cfg.num_layers)
-        ]
+        # (a quantized head is a copy: the table stays for the lookups).
+        head_name = "model.embed_tokens.weight" if head is self.embed else "lm_head.weight"
+        if weight_format == "dense" or self.head_ids is not None:
+            self.lm_head = head if head is self.embed else prepack(head)
+        else:
+            self.lm_head = pack([head_name], [head])
+        self.layers = []
+        for i in range(cfg.num_layers):
+            prefix, layer_weights = f"model.layers.{i}.", _sub(weights, f"model.layers.{i}.")
+
+            def pack_layer(names: Sequence[str], prefix: str = prefix, own: dict = layer_weights) -> Weight:
+                return pack([prefix + n for n in names], [own[n] for n in names])
+
+            self.layers.append(DecoderLayer(cfg, layer_weights, pack_layer))
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.head_plan: RowPlan | None = None  # the output head's rows (engine.exactness sets it)
@@ -253,19 +267,23 @@ class DecoderModel:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-        return cls(cfg, hf_config, weights, draft, weight_format)
+        blocks = read_blocks(path) if weight_format == "gguf" else None
+        return cls(cfg, hf_config, weights, draft, weight_format, blocks)
 
     @classmethod
     def from_hf_model(
-        cls, hf_model: torch.nn.Module, dtype: torch.dtype | None = None, weight_format: str = "dense"
+        cls,
+        hf_model: torch.nn.Module,
+        dtype: torch.dtype | None = None,
+        weight_format: str = "dense",
+        blocks: Mapping[str, QuantizedWeight] | None = None,
     ) -> DecoderModel:
         """Build from an in-memory ``transformers`` model (tests): same weights, our runtime."""
         state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
-        return cls(
-            DecoderConfig.from_hf(hf_model.config), hf_model.config, state, weight_format=weight_format
-        )
+        config = hf_model.config
+        return cls(DecoderConfig.from_hf(config), config, state, weight_format=weight_format, blocks=blocks)
 
     def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
         """A slot cache sized for this model."""

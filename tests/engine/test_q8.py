@@ -14,13 +14,14 @@ import torch
 
 from serve_app.engine.exactness import make_exact
 from serve_app.engine.invariance import probe_rows
-from serve_app.engine.kernels import q8_module
+from serve_app.engine.kernels import kernels_module
 from serve_app.engine.model import DecoderModel
 from serve_app.engine.params import SamplingParams, SpecOverride
-from serve_app.engine.weights import Q8Weight, linear
+from serve_app.engine.quantized import Q8Weight
+from serve_app.engine.weights import linear
 from tests.conftest import make_tiny_engine, make_tiny_hf_model
 
-if q8_module() is None:
+if kernels_module() is None:
     if os.environ.get("CI"):
         pytest.fail("the q8 kernel is not built (make install builds it)", pytrace=False)
     pytest.skip("the q8 kernel is not built: run `python -m serve_app.native_build`", allow_module_level=True)
@@ -56,7 +57,7 @@ def test_the_kernel_computes_the_quantized_product(dtype) -> None:
     torch.manual_seed(0)
     weight = Q8Weight.quantize(torch.randn(96, 320))
     x = torch.randn(5, 320).to(dtype)
-    got = q8_module().q8_linear(x, weight.data, weight.scales)
+    got = kernels_module().q8_linear(x, weight.data, weight.scales)
     want = reference(x, weight)
     assert got.dtype == torch.float32 and got.shape == (5, 96)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)

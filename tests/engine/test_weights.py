@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_app.engine.weights import Int8Weight, linear, onednn_bf16_supported, prepack, weight_nbytes
+from serve_app.engine.quantized import Int8Weight
+from serve_app.engine.weights import linear, onednn_bf16_supported, prepack, weight_nbytes
 
 
 def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:

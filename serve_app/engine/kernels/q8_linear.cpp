@@ -22,24 +22,12 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define SPECSERVE_AVX2 1
-#else
-#define SPECSERVE_AVX2 0
-#endif
+#include "common.h"
 
 namespace {
 
+using specserve::half_to_float;
 constexpr int64_t kBlock = 32;
-
-float half_to_float(uint16_t h) {
-#if SPECSERVE_AVX2
-  return _cvtsh_ss(h);
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
-}
 
 // Per row and block: q = round(x / s) in [-127, 127], s = max|x| / 127 (0 for an all-zero block).
 void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* scales) {
@@ -61,13 +49,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* sc
 }
 
 #if SPECSERVE_AVX2
-inline float lanes_sum(__m256 v) {  // a fixed order: (0+4) (1+5) (2+6) (3+7), then pairs
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-  return _mm_cvtss_f32(s);
-}
+using specserve::lanes_sum;
 
 inline __m256 block_dot(__m256i w, __m256i x) {  // 8 int32 partial sums of one block, as floats
   const __m256i ones = _mm256_set1_epi16(1);
@@ -142,7 +124,7 @@ void dot_row_scalar(const int8_t* w, const uint16_t* ws, const int8_t* x, const 
   }
   float l[8];
   for (int i = 0; i < 8; ++i) l[i] = acc[0][i] + acc[1][i];
-  *out = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+  *out = specserve::lanes_sum8(l);
 }
 
 // out[m, 0] for every activation row m and one weight row, rows in groups of kGroup.
@@ -192,11 +174,4 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& weight, con
       dot_rows(wp + j * k, sp + j * (k / kBlock), xq.data(), xs.data(), rows, k, o + j, n);
   });
   return out;
-}
-
-bool q8_vectorized() { return SPECSERVE_AVX2; }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q8_linear", &q8_linear, "x @ dequant(weight).T with int8 activations (exact in the rows)");
-  m.def("vectorized", &q8_vectorized, "whether the AVX2 kernel was compiled in");
 }

@@ -175,7 +175,8 @@ def frequent_token_ids(tokenizer: object, count: int) -> tuple[int, ...]:
 
 def build_draft_proposer(context: ProposerContext) -> DraftModelProposer:
     """Options: ``model_path`` (a model folder), ``model_name`` / ``target_name`` (for messages),
-    ``dtype``, ``int8`` (int8 weight-only draft layers), ``head_tokens`` (keep only this many of
+    ``dtype``, ``weight_format`` ("target": the target's), ``int8`` (int8 weight-only layers where
+    the format is dense), ``head_tokens`` (keep only this many of
     the most frequent tokens in the draft's output head; 0 = all), ``min_confidence``."""
     from transformers import AutoTokenizer
 
@@ -186,11 +187,15 @@ def build_draft_proposer(context: ProposerContext) -> DraftModelProposer:
     check_compatible(context.tokenizer, AutoTokenizer.from_pretrained(path), str(context.options.get(
         "target_name", "the target")), name)  # fmt: skip
     head_tokens = int(context.options.get("head_tokens", 0) or 0)
+    weight_format = str(context.options.get("weight_format", "target"))
+    weight_format = target.weight_format if weight_format == "target" else weight_format
     options = DraftOptions(
-        int8=bool(context.options.get("int8", False)),
+        int8=weight_format == "dense" and bool(context.options.get("int8", False)),
         head_ids=frequent_token_ids(context.tokenizer, head_tokens) if head_tokens else None,
     )
-    model = DecoderModel.from_pretrained(path, dtype=dtype, device=target.device, draft=options)
+    model = DecoderModel.from_pretrained(
+        path, dtype=dtype, device=target.device, draft=options, weight_format=weight_format
+    )
     fraction = model.cfg.num_parameters / target.cfg.num_parameters
     if fraction > LARGE_DRAFT_FRACTION:
         log.warning(

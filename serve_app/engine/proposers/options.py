@@ -6,7 +6,7 @@ proposer's factory receives its options dumped into ``ProposerContext.options``.
 
 from __future__ import annotations
 
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,7 +20,13 @@ class NoOptions(_Options):
 
 
 class DraftModelOptions(_Options):
-    int8: bool = Field(True, description="Draft model layers as int8 (half the bytes per draft step).")
+    weight_format: Literal["target", "dense", "q8", "gguf"] = Field(
+        "target",
+        description="The draft's matrices: as the target's (runtime.weight_format), or a format of its own.",
+    )
+    int8: bool = Field(
+        True, description="With dense draft weights: layers as int8 (half the bytes per draft step)."
+    )
     head_tokens: int = Field(
         32768,
         ge=0,

@@ -74,7 +74,9 @@ def no_download(parts, dest, progress):
 
 
 def make_store(root: Path, spec: PackSpec, converter=None, downloader=no_download) -> ModelStore:
-    return ModelStore(root, {spec.name: spec}, downloader=downloader, converter=converter or Recorder())
+    return ModelStore(
+        root, {spec.name: spec}, downloader=downloader, converter=converter or Recorder(), block_writer=None
+    )
 
 
 def test_packs_table():

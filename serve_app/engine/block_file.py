@@ -1,0 +1,62 @@
+"""The GGUF blocks file of a model folder: the quantized matrices of the ``gguf`` weight format.
+
+``packs.extract_blocks`` writes it beside a pack's bf16 safetensors (``BLOCKS_FILE``), taking the
+blocks from the pack's GGUF as they are; ``read_blocks`` turns it into weights keyed by the
+checkpoint's parameter names. Per matrix ``name`` it holds either
+
+- ``name:q4k.qs / .d / .dmin / .scales / .mins``: Q4_K blocks (``quantized.Q4KWeight``), or
+- ``name:q8.data / .scales``: int8 values with an fp16 scale per 32 inputs (``quantized.Q8Weight``),
+  which hold the GGUF's Q8_0, Q5_0 and Q4_0 blocks exactly.
+
+A matrix the file lacks (e.g. a Q6_K one) is re-quantized to Q8 from the dense weights at load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from serve_app.engine.quantized import Q4KWeight, Q8Weight
+
+BLOCKS_FILE = "gguf-blocks.safetensors"
+FORMAT = "specserve-gguf-blocks/1"  # the file's metadata "format"; another value is refused
+Q4K_FIELDS = ("qs", "d", "dmin", "scales", "mins")
+Q8_FIELDS = ("data", "scales")
+
+
+def blocks_path(model_dir: str | Path) -> Path:
+    return Path(model_dir) / BLOCKS_FILE
+
+
+def tensors_of(name: str, weight: Q4KWeight | Q8Weight) -> dict[str, torch.Tensor]:
+    """The file's entries for one matrix."""
+    kind, fields = ("q4k", Q4K_FIELDS) if isinstance(weight, Q4KWeight) else ("q8", Q8_FIELDS)
+    return {f"{name}:{kind}.{field}": getattr(weight, field).contiguous() for field in fields}
+
+
+def read_blocks(model_dir: str | Path) -> dict[str, Q4KWeight | Q8Weight]:
+    """The matrices of ``model_dir``'s blocks file by parameter name; FileNotFoundError (naming the
+    command that writes it) when the folder has none."""
+    from safetensors import safe_open
+
+    path = blocks_path(model_dir)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"the gguf weight format needs {path}, which `specserve models fetch <pack>` writes "
+            "for a model pack (a folder that is not a pack has no GGUF blocks: use q8 or dense)"
+        )
+    fields: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        if (f.metadata() or {}).get("format") != FORMAT:
+            raise ValueError(f"{path} is not a {FORMAT} file: fetch the pack again")
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            name, field = key.rsplit(":", 1)
+            fields.setdefault(name, {})[field] = f.get_tensor(key)
+    weights: dict[str, Q4KWeight | Q8Weight] = {}
+    for name, entries in fields.items():
+        if "q4k.qs" in entries:
+            weights[name] = Q4KWeight(*(entries[f"q4k.{field}"] for field in Q4K_FIELDS))
+        else:
+            weights[name] = Q8Weight(*(entries[f"q8.{field}"] for field in Q8_FIELDS))
+    return weights

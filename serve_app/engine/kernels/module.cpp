@@ -1,0 +1,14 @@
+// The Python module of our kernels (built by `python -m serve_app.native_build`).
+#include <torch/extension.h>
+
+#include "common.h"
+
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales);
+torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                         const torch::Tensor& dmin, const torch::Tensor& scales, const torch::Tensor& mins);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q8_linear", &q8_linear, "x @ dequant(Q8 weight).T with int8 activations (exact in the rows)");
+  m.def("q4k_linear", &q4k_linear, "x @ dequant(Q4_K weight).T with int8 activations (exact in the rows)");
+  m.def("vectorized", [] { return static_cast<bool>(SPECSERVE_AVX2); }, "whether the AVX2 kernels were compiled in");
+}

@@ -1,0 +1,226 @@
+// Products on the GGUF's Q4_K blocks as they are, with int8 activations: the gguf weight format.
+//
+// Weights: llama.cpp's Q4_K, its 6-bit scales unpacked at load. Super-blocks of 256 inputs carry an
+// fp16 scale d and min dmin; their eight blocks of 32 carry integer scales sc[b] and mins m[b] in
+// 0..63, and every input a 4-bit q in 0..15:
+//
+//     w[i] = d * sc[b] * q[i] - dmin * m[b]
+//
+// The 4-bit values keep the file's order: per 64 inputs 32 bytes, whose low nibbles are inputs
+// 0..31 and high nibbles inputs 32..63. Activations are quantized here per row and super-block
+// (llama.cpp's Q8_K): xq = round(x / s), s = max|x| / 127, keeping each block's integer sum. Then
+// a super-block contributes
+//
+//     s * d * (sum_b sc[b] * sum_{i in b} q[i] xq[i])  -  s * dmin * (sum_b m[b] * sum_{i in b} xq[i])
+//
+// where both parenthesized sums are exact integers (|.| < 2^24, so exact as floats too). The float
+// steps run in one order for every (row, output), whatever the number of rows or threads:
+// eight lanes acc += float(integer lanes) * (d * s), mins += float(min sum) * (dmin * s), and the
+// result lanes_sum(acc) - mins. So a row's result never depends on the other rows (exactness).
+// AVX2: a 32-byte load gives two blocks (mask, shift), each one _mm256_maddubs_epi16 (q <= 15,
+// |xq| <= 127: pair sums fit in int16) and one _mm256_madd_epi16 by the block's scale. Without
+// AVX2 a scalar loop forms the same integer lanes and the same float steps.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+using specserve::half_to_float;
+constexpr int64_t kSuper = 256;
+constexpr int64_t kBlock = 32;
+constexpr int64_t kBlocks = kSuper / kBlock;  // blocks per super-block
+constexpr int64_t kSuperBytes = kSuper / 2;   // 4-bit values of one super-block
+
+struct Q4K {  // one output row's weights
+  const uint8_t* qs;     // [K / 2]
+  const uint16_t* d;     // [K / 256] fp16 bits
+  const uint16_t* dmin;  // [K / 256] fp16 bits
+  const uint8_t* sc;     // [K / 32]
+  const uint8_t* mn;     // [K / 32]
+};
+
+struct Rows {  // quantized activation rows
+  const int8_t* q;       // [M, K]
+  const float* scale;    // [M, K / 256]
+  const int16_t* bsum;   // [M, K / 32]
+};
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* scales, int16_t* bsums) {
+  const int64_t supers = k / kSuper;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t s = 0; s < supers; ++s) {
+        const float* xs = x + m * k + s * kSuper;
+        float amax = 0.f;
+        for (int64_t i = 0; i < kSuper; ++i) amax = std::max(amax, std::fabs(xs[i]));
+        const float scale = amax / 127.f;
+        const float inv = scale > 0.f ? 1.f / scale : 0.f;
+        int8_t* qs = q + m * k + s * kSuper;
+        for (int64_t b = 0; b < kBlocks; ++b) {
+          int sum = 0;
+          for (int64_t i = 0; i < kBlock; ++i) {
+            const float v = std::clamp(std::nearbyint(xs[b * kBlock + i] * inv), -127.f, 127.f);
+            qs[b * kBlock + i] = static_cast<int8_t>(v);
+            sum += static_cast<int>(v);
+          }
+          bsums[(m * supers + s) * kBlocks + b] = static_cast<int16_t>(sum);
+        }
+        scales[m * supers + s] = scale;
+      }
+    }
+  });
+}
+
+// sum_b m[b] * bsum[b] over one super-block: exact in int32 (|.| <= 63 * 4064 * 8).
+inline int32_t min_sum(const uint8_t* mn, const int16_t* bsum) {
+  int32_t total = 0;
+  for (int64_t b = 0; b < kBlocks; ++b) total += static_cast<int32_t>(mn[b]) * bsum[b];
+  return total;
+}
+
+#if SPECSERVE_AVX2
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// One weight row against G activation rows; the 4-bit unpacking is shared by the rows.
+template <int G>
+void dot_group_avx2(const Q4K& w, const Rows& x, int64_t k, float* out, int64_t out_stride) {
+  const int64_t supers = k / kSuper;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[G];
+  float mins[G];
+  for (int r = 0; r < G; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    mins[r] = 0.f;
+  }
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* q = w.qs + s * kSuperBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(q + 4 * kSuperBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q + 4 * kSuperBytes + 64), _MM_HINT_T0);
+    const uint8_t* sc = w.sc + s * kBlocks;
+    __m256i isum[G];
+    for (int r = 0; r < G; ++r) isum[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i bytes = load32(q + 32 * j);
+      const __m256i lo = _mm256_and_si256(bytes, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      const __m256i sc_lo = _mm256_set1_epi16(sc[2 * j]);
+      const __m256i sc_hi = _mm256_set1_epi16(sc[2 * j + 1]);
+#pragma GCC unroll 4
+      for (int r = 0; r < G; ++r) {
+        const int8_t* xr = x.q + r * k + s * kSuper + 64 * j;
+        const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(xr)), sc_lo);
+        const __m256i p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(xr + 32)), sc_hi);
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p_lo, p_hi));
+      }
+    }
+    const float d = half_to_float(w.d[s]), dmin = half_to_float(w.dmin[s]);
+    for (int r = 0; r < G; ++r) {
+      const float xs = x.scale[r * supers + s];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * xs), acc[r]);
+      const int32_t msum = min_sum(w.mn + s * kBlocks, x.bsum + (r * supers + s) * kBlocks);
+      mins[r] = std::fma(static_cast<float>(msum), dmin * xs, mins[r]);
+    }
+  }
+  for (int r = 0; r < G; ++r) out[r * out_stride] = specserve::lanes_sum(acc[r]) - mins[r];
+}
+#endif
+
+// The same numbers without AVX2: lane L of a block holds its bytes 4L..4L+3, as madd forms them.
+void dot_row_scalar(const Q4K& w, const Rows& x, int64_t k, float* out) {
+  const int64_t supers = k / kSuper;
+  float acc[8] = {};
+  float mins = 0.f;
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* q = w.qs + s * kSuperBytes;
+    int32_t isum[8] = {};
+    for (int j = 0; j < 4; ++j) {
+      for (int half = 0; half < 2; ++half) {
+        const int32_t scale = w.sc[s * kBlocks + 2 * j + half];
+        const int8_t* xb = x.q + s * kSuper + 64 * j + 32 * half;
+        for (int lane = 0; lane < 8; ++lane) {
+          int32_t t = 0;
+          for (int e = 0; e < 4; ++e) {
+            const uint8_t byte = q[32 * j + 4 * lane + e];
+            t += static_cast<int32_t>(half ? byte >> 4 : byte & 0x0F) * xb[4 * lane + e];
+          }
+          isum[lane] += t * scale;
+        }
+      }
+    }
+    const float xs = x.scale[s];
+    const float step = half_to_float(w.d[s]) * xs;
+    for (int lane = 0; lane < 8; ++lane) acc[lane] = std::fma(static_cast<float>(isum[lane]), step, acc[lane]);
+    const int32_t msum = min_sum(w.mn + s * kBlocks, x.bsum + s * kBlocks);
+    mins = std::fma(static_cast<float>(msum), half_to_float(w.dmin[s]) * xs, mins);
+  }
+  *out = specserve::lanes_sum8(acc) - mins;
+}
+
+constexpr int64_t kGroup = 4;  // activation rows sharing each unpacked weight block
+
+void dot_rows(const Q4K& w, const Rows& x, int64_t rows, int64_t k, float* out, int64_t out_stride) {
+  const int64_t supers = k / kSuper, blocks = k / kBlock;
+  for (int64_t m = 0; m < rows; m += kGroup) {
+    const Rows group{x.q + m * k, x.scale + m * supers, x.bsum + m * blocks};
+    float* o = out + m * out_stride;
+#if SPECSERVE_AVX2
+    switch (std::min(kGroup, rows - m)) {
+      case 4: dot_group_avx2<4>(w, group, k, o, out_stride); break;
+      case 3: dot_group_avx2<3>(w, group, k, o, out_stride); break;
+      case 2: dot_group_avx2<2>(w, group, k, o, out_stride); break;
+      default: dot_group_avx2<1>(w, group, k, o, out_stride); break;
+    }
+#else
+    for (int64_t r = 0; r < std::min(kGroup, rows - m); ++r) {
+      const Rows one{group.q + r * k, group.scale + r * supers, group.bsum + r * blocks};
+      dot_row_scalar(w, one, k, o + r * out_stride);
+    }
+#endif
+  }
+}
+
+}  // namespace
+
+// x [M, K] (float32 or bf16); qs uint8 [N, K / 2]; d, dmin fp16-as-int16 [N, K / 256];
+// scales, mins uint8 [N, K / 32] -> [M, N] float32.
+torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                         const torch::Tensor& dmin, const torch::Tensor& scales, const torch::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && qs.dim() == 2, "q4k_linear: 2-d tensors expected");
+  const int64_t rows = x.size(0), k = x.size(1), n = qs.size(0);
+  TORCH_CHECK(k % kSuper == 0, "q4k_linear: K must be a multiple of 256, got ", k);
+  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.size(1) == k / 2, "q4k_linear: qs must be uint8 [N, K / 2]");
+  for (const auto* t : {&d, &dmin})
+    TORCH_CHECK(t->scalar_type() == torch::kInt16 && t->size(0) == n && t->size(1) == k / kSuper,
+                "q4k_linear: d and dmin must be fp16 bits as int16 [N, K / 256]");
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == torch::kUInt8 && t->size(0) == n && t->size(1) == k / kBlock,
+                "q4k_linear: scales and mins must be uint8 [N, K / 32]");
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto qc = qs.contiguous(), dc = d.contiguous(), mc = dmin.contiguous();
+  auto sc = scales.contiguous(), mn = mins.contiguous();
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> xs(rows * (k / kSuper));
+  std::vector<int16_t> bsums(rows * (k / kBlock));
+  quantize_rows(xf.data_ptr<float>(), rows, k, xq.data(), xs.data(), bsums.data());
+  const Rows activations{xq.data(), xs.data(), bsums.data()};
+  auto out = torch::empty({rows, n}, torch::kFloat32);
+  float* o = out.data_ptr<float>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<int16_t>());
+  const auto* mp = reinterpret_cast<const uint16_t*>(mc.data_ptr<int16_t>());
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const Q4K w{qc.data_ptr<uint8_t>() + j * (k / 2), dp + j * (k / kSuper), mp + j * (k / kSuper),
+                  sc.data_ptr<uint8_t>() + j * (k / kBlock), mn.data_ptr<uint8_t>() + j * (k / kBlock)};
+      dot_rows(w, activations, rows, k, o + j, n);
+    }
+  });
+  return out;
+}

@@ -1,0 +1,239 @@
+"""Quantized weight formats: objects with ``matmul(x)`` that ``weights.linear`` multiplies by.
+
+- ``Int8Weight`` (drafts only): per-output-row int8 through fbgemm's dynamic linear (7-bit
+  activations per tensor: a row's result depends on the others, so never for a target).
+- ``Q8Weight``: int8 with an fp16 scale per 32 inputs (llama.cpp's Q8_0), our kernel; also holds
+  the GGUF's Q8_0 / Q5_0 / Q4_0 blocks exactly (their values fit in int8 with the same scale).
+- ``Q4KWeight``: the GGUF's Q4_K blocks as they are (4.6 bits per weight), our kernel.
+- ``RowStack``: output rows of several weights in order (a fused product whose parts the GGUF
+  stores in different formats).
+
+Q8 and Q4_K products quantize activations per row (never per tensor), sum blocks in integers and
+run the float steps in one fixed order, so every row's result is independent of the other rows:
+a target may run on them and speculation stays bit-exact against plain decoding of the same
+weights (which are close to, not equal to, the bf16 weights).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from serve_app.engine.kernels import require_kernels
+
+
+def _fbgemm_available() -> bool:
+    return any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """``weight ≈ int8[out, in] * scales[out]``; multiplies bf16 (or float32) activations.
+
+    ``packed`` holds fbgemm's prepacked form when the quantized engine is available (then ``data``
+    is None: fbgemm keeps its own copy); otherwise ``data`` + ``scales`` feed
+    ``aten._weight_int8pack_mm``.
+    """
+
+    out_features: int
+    in_features: int
+    scales: torch.Tensor  # [out] bf16
+    data: torch.Tensor | None = None  # [out, in] int8 (fallback kernel only)
+    packed: object | None = None  # fbgemm LinearPackedParams (fast kernel)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features + self.scales.numel() * self.scales.element_size()
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, use_fbgemm: bool | None = None) -> Int8Weight:
+        """Symmetric per-row quantization: scale = max|row| / 127."""
+        w = weight.float()
+        out_features, in_features = w.shape
+        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
+        use_fbgemm = _fbgemm_available() if use_fbgemm is None else use_fbgemm
+        if use_fbgemm and weight.device.type == "cpu":
+            with warnings.catch_warnings():  # quantized tensor creation is marked deprecated in 2.13
+                warnings.simplefilter("ignore")
+                zero = torch.zeros(out_features, dtype=torch.long)
+                qweight = torch.quantize_per_channel(w, scales.double(), zero, 0, torch.qint8)
+                packed = torch.ops.quantized.linear_prepack(qweight, None)
+            return cls(out_features, in_features, scales.to(torch.bfloat16), packed=packed)
+        data = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(out_features, in_features, scales.to(torch.bfloat16), data=data.contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        if self.packed is not None:
+            # reduce_range: 7-bit activations, so the u8 x s8 pair sums cannot saturate on CPUs
+            # without VNNI; costs a little precision, which only the draft's guesses see.
+            out = torch.ops.quantized.linear_dynamic(flat.float(), self.packed, True)  # [M, out] f32
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self.data, self.scales)
+        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """``weight ≈ int8[out, in] * scale[out, in / 32]``: one fp16 scale per block of 32 inputs (as
+    llama.cpp's Q8_0), multiplied by ``kernels/q8_linear.cpp`` with int8 activations quantized per
+    row and block. Integer block sums and a fixed order of the float steps make every row's result
+    independent of the other rows, so a target may run on it (its numbers are those of these
+    weights: plain and speculative decoding agree with each other, not with the bf16 weights)."""
+
+    data: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out, in / 32] fp16 bits as int16
+
+    BLOCK = 32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + 2 * self.scales.numel()
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Q8Weight:
+        """Per block of 32 inputs: scale = max|w| / 127 (rounded to fp16 first), q = round(w / scale)."""
+        out_features, in_features = weight.shape
+        if in_features % cls.BLOCK:
+            raise ValueError(f"q8 needs input features in multiples of {cls.BLOCK}, got {in_features}")
+        blocks = weight.float().reshape(out_features, in_features // cls.BLOCK, cls.BLOCK)
+        scales = (blocks.abs().amax(dim=-1) / 127.0).to(torch.float16)  # [out, in / 32]
+        divisor = scales.float().unsqueeze(-1)
+        q = torch.where(divisor > 0, torch.round(blocks / divisor.clamp(min=1e-30)), 0.0).clamp(-127, 127)
+        return cls(q.to(torch.int8).reshape(out_features, in_features).contiguous(), scales.view(torch.int16))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        out = require_kernels("q8").q8_linear(flat, self.data, self.scales)  # [M, out] float32
+        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values [out, in] (0..15) -> bytes [out, in / 2] in the GGUF's order: per 64 inputs 32
+    bytes, low nibble input i, high nibble input 32 + i."""
+    out_features, in_features = q.shape
+    pairs = q.to(torch.uint8).reshape(out_features, in_features // 64, 2, 32)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(out_features, in_features // 2)
+
+
+def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    out_features, half = qs.shape
+    chunks = qs.reshape(out_features, half // 32, 32)
+    return torch.stack([chunks & 0x0F, chunks >> 4], dim=2).reshape(out_features, half * 2)
+
+
+@dataclass(frozen=True)
+class Q4KWeight:
+    """``w = d * scale[b] * q - dmin * min[b]``: llama.cpp's Q4_K with its 6-bit scales unpacked.
+
+    Per 256 inputs an fp16 ``d`` and ``dmin``; per block of 32 an integer ``scale`` and ``min``
+    (0..63); per input a 4-bit ``q``. ``packs.gguf_blocks`` takes them from the pack's GGUF as they
+    are; ``quantize`` derives them from dense weights (tests, models without a GGUF)."""
+
+    qs: torch.Tensor  # [out, in / 2] uint8, two 4-bit values per byte (the GGUF's order)
+    d: torch.Tensor  # [out, in / 256] fp16 bits as int16
+    dmin: torch.Tensor  # [out, in / 256] fp16 bits as int16
+    scales: torch.Tensor  # [out, in / 32] uint8
+    mins: torch.Tensor  # [out, in / 32] uint8
+
+    SUPER = 256
+    BLOCK = 32
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.qs.shape[0], self.qs.shape[1] * 2))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.dmin, self.scales, self.mins))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Q4KWeight:
+        """Min/max per block of 32, block scales and mins as 6-bit multiples of the super-block's."""
+        out_features, in_features = weight.shape
+        if in_features % cls.SUPER:
+            raise ValueError(f"q4k needs input features in multiples of {cls.SUPER}, got {in_features}")
+        blocks = weight.float().reshape(out_features, in_features // cls.SUPER, 8, cls.BLOCK)
+        low = blocks.amin(dim=-1).clamp(max=0.0).neg()  # [out, S, 8] what the block subtracts
+        step = (blocks.amax(dim=-1) + low) / 15.0  # [out, S, 8]
+        d = (step.amax(dim=-1) / 63.0).to(torch.float16)  # [out, S]
+        dmin = (low.amax(dim=-1) / 63.0).to(torch.float16)
+        df, dminf = d.float().unsqueeze(-1), dmin.float().unsqueeze(-1)
+        scales = torch.where(df > 0, torch.round(step / df.clamp(min=1e-30)), 0.0).clamp(0, 63)
+        mins = torch.where(dminf > 0, torch.round(low / dminf.clamp(min=1e-30)), 0.0).clamp(0, 63)
+        block_step, block_low = (df * scales).unsqueeze(-1), (dminf * mins).unsqueeze(-1)
+        q = torch.where(block_step > 0, torch.round((blocks + block_low) / block_step.clamp(min=1e-30)), 0.0)
+        q = q.clamp(0, 15).reshape(out_features, in_features)
+        return cls(
+            _pack_nibbles(q),
+            d.view(torch.int16).contiguous(),
+            dmin.view(torch.int16).contiguous(),
+            scales.to(torch.uint8).reshape(out_features, -1).contiguous(),
+            mins.to(torch.uint8).reshape(out_features, -1).contiguous(),
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights as float32 ``[out, in]`` (each value exact: the kernel's numbers)."""
+        out_features, in_features = self.shape
+        q = _unpack_nibbles(self.qs).float().reshape(out_features, -1, self.BLOCK)
+        d = self.d.view(torch.float16).float().repeat_interleave(8, dim=1)  # [out, in / 32]
+        dmin = self.dmin.view(torch.float16).float().repeat_interleave(8, dim=1)
+        step, low = (d * self.scales.float()).unsqueeze(-1), (dmin * self.mins.float()).unsqueeze(-1)
+        return (step * q - low).reshape(out_features, in_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        kernels = require_kernels("gguf")
+        out = kernels.q4k_linear(flat, self.qs, self.d, self.dmin, self.scales, self.mins)  # [M, out] f32
+        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class RowStack:
+    """The output rows of several quantized weights, in order (e.g. q and k in Q4_K, v in Q8)."""
+
+    parts: tuple[Q8Weight | Q4KWeight, ...]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.matmul(x) for p in self.parts], dim=-1)
+
+
+def concat_rows(parts: Sequence[Q8Weight | Q4KWeight]) -> Q8Weight | Q4KWeight | RowStack:
+    """One weight with the parts' output rows in order: neighbours of one format are fused into one
+    matrix (one kernel call), the rest stacked."""
+    groups: list[list[Q8Weight | Q4KWeight]] = []
+    for part in parts:
+        if groups and type(groups[-1][0]) is type(part):
+            groups[-1].append(part)
+        else:
+            groups.append([part])
+    fused = [g[0] if len(g) == 1 else _fuse(g) for g in groups]
+    return fused[0] if len(fused) == 1 else RowStack(tuple(fused))
+
+
+def _fuse(group: list) -> Q8Weight | Q4KWeight:
+    kind = type(group[0])
+    fields = kind.__dataclass_fields__
+    return kind(**{f: torch.cat([getattr(p, f) for p in group]) for f in fields})
+
+
+QuantizedWeight = Int8Weight | Q8Weight | Q4KWeight | RowStack

@@ -1,0 +1,139 @@
+"""The gguf weight format's Q4_K product: the GGUF's 4-bit blocks times int8 activations.
+
+Like Q8, exact in the rows by construction (integer sums per super-block, float steps in a fixed
+order), so speculation on a Q4_K target is bit-exact against its plain decoding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from serve_app.engine.exactness import make_exact
+from serve_app.engine.invariance import probe_rows
+from serve_app.engine.kernels import kernels_module
+from serve_app.engine.model import DecoderModel
+from serve_app.engine.params import SamplingParams, SpecOverride
+from serve_app.engine.quantized import Q4KWeight, Q8Weight, RowStack, concat_rows
+from serve_app.engine.weights import linear, product_kind
+from tests.conftest import make_tiny_engine, make_tiny_hf_model
+
+if kernels_module() is None:
+    if os.environ.get("CI"):
+        pytest.fail("our kernels are not built (make install builds them)", pytrace=False)
+    pytest.skip("our kernels are not built: run `python -m serve_app.native_build`", allow_module_level=True)
+
+
+def reference(x: torch.Tensor, weight: Q4KWeight) -> torch.Tensor:
+    """The same arithmetic in float64: dequantized weights times activations quantized per 256."""
+    supers = x.float().reshape(x.shape[0], -1, 256)
+    scale = supers.abs().amax(dim=-1, keepdim=True) / 127.0
+    inverse = torch.where(scale > 0, 1.0 / scale.clamp(min=1e-30), 0.0)  # the kernel multiplies by 1 / s
+    xq = (torch.round(supers * inverse).clamp(-127, 127) * scale).reshape(x.shape)
+    return xq.double() @ weight.dequantize().double().T
+
+
+def gguf_blocks(hf: torch.nn.Module) -> dict[str, Q4KWeight]:
+    """What a GGUF's Q4_K tensors would give for ``hf``'s layer matrices."""
+    return {
+        name: Q4KWeight.quantize(tensor)
+        for name, tensor in hf.state_dict().items()
+        if name.startswith("model.layers.") and tensor.dim() == 2
+    }
+
+
+def test_quantize_dequantize_and_sizes() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(64, 512)
+    q = Q4KWeight.quantize(weight)
+    assert q.shape == (64, 512)
+    assert q.nbytes == 64 * (256 + 2 * 2 * 2 + 2 * 16)  # 4.625 bits per weight
+    error = (q.dequantize() - weight).norm() / weight.norm()
+    assert error < 0.1
+    again = Q4KWeight.quantize(q.dequantize())  # the nibble order survives a round trip
+    assert torch.equal(again.dequantize(), q.dequantize())
+    with pytest.raises(ValueError, match="multiples of 256"):
+        Q4KWeight.quantize(torch.randn(4, 96))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_computes_the_quantized_product(dtype) -> None:
+    torch.manual_seed(1)
+    weight = Q4KWeight.quantize(torch.randn(72, 768))
+    x = torch.randn(6, 768).to(dtype)
+    got = kernels_module().q4k_linear(x, weight.qs, weight.d, weight.dmin, weight.scales, weight.mins)
+    want = reference(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (6, 72)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(linear(x, weight), got.to(dtype))
+
+
+def test_the_kernel_refuses_mismatched_blocks() -> None:
+    weight = Q4KWeight.quantize(torch.randn(8, 256))
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        kernels_module().q4k_linear(
+            torch.randn(1, 128), weight.qs, weight.d, weight.dmin, weight.scales, weight.mins
+        )
+    with pytest.raises(RuntimeError, match="scales and mins"):
+        kernels_module().q4k_linear(
+            torch.randn(1, 256), weight.qs, weight.d, weight.dmin, weight.mins[:4], weight.mins
+        )
+
+
+def test_rows_agree_at_every_count() -> None:
+    weight = Q4KWeight.quantize(torch.randn(200, 512))
+    plan = probe_rows(lambda x: linear(x, weight), 512, torch.float32, torch.device("cpu"))
+    assert plan.tail_from == 1 and plan.padded(1) == 1
+    x = torch.randn(9, 512)
+    each = torch.cat([linear(x[i : i + 1], weight) for i in range(9)])
+    assert torch.equal(each, linear(x, weight))
+
+
+def test_concat_rows_fuses_one_format_and_stacks_mixed_ones() -> None:
+    torch.manual_seed(2)
+    q, k, v = (Q4KWeight.quantize(torch.randn(n, 256)) for n in (32, 16, 16))
+    v8 = Q8Weight.quantize(torch.randn(16, 256))
+    fused = concat_rows([q, k, v])
+    assert isinstance(fused, Q4KWeight) and fused.shape == (64, 256)
+    mixed = concat_rows([q, k, v8])
+    assert isinstance(mixed, RowStack) and mixed.shape == (64, 256) and len(mixed.parts) == 2
+    assert product_kind(mixed) == "stack q4k 48x256 + q8 16x256"
+    x = torch.randn(3, 256)
+    assert torch.equal(linear(x, mixed), torch.cat([linear(x, q), linear(x, k), linear(x, v8)], dim=-1))
+    assert mixed.nbytes == q.nbytes + k.nbytes + v8.nbytes
+
+
+def test_a_gguf_target_is_exact_and_close_to_the_dense_one() -> None:
+    hf = make_tiny_hf_model(300, layers=2, hidden=256)
+    dense = DecoderModel.from_hf_model(hf)
+    gguf = DecoderModel.from_hf_model(hf, weight_format="gguf", blocks=gguf_blocks(hf))
+    assert isinstance(gguf.layers[0].qkv, Q4KWeight) and isinstance(gguf.lm_head, Q8Weight)
+    found = make_exact(gguf)
+    assert found.exact
+    tokens = torch.tensor([[5, 9, 11, 2, 7, 30, 42, 3]])
+    logits = {}
+    for name, model in (("dense", dense), ("gguf", gguf)):
+        cache = model.new_cache(1, 32)
+        logits[name] = model.logits(model.forward(tokens, cache, [cache.allocate()]))
+    gap = (logits["gguf"] - logits["dense"]).abs().max() / logits["dense"].abs().max()
+    assert gap < 0.3  # 4-bit random weights (~8% error per matrix); the real figures: bench --quality
+    assert (logits["gguf"].argmax(-1) == logits["dense"].argmax(-1)).float().mean() >= 0.6
+
+
+def test_speculation_on_a_gguf_target_equals_its_plain_decoding(tiny_tokenizer) -> None:
+    hf = make_tiny_hf_model(tiny_tokenizer.vocab_size, layers=2, hidden=256)
+    model = DecoderModel.from_hf_model(hf, weight_format="gguf", blocks=gguf_blocks(hf))
+    engine = make_tiny_engine(model, tiny_tokenizer, proposers=["ngram", "self"], method="ngram")
+    assert engine.exact
+    prompts = [
+        tiny_tokenizer("def add(a, b):")["input_ids"],
+        tiny_tokenizer("for i in range(10):")["input_ids"],
+    ]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)]  # fmt: skip
+    plain = [r.token_ids for r in engine.generate(prompts, params, SpecOverride("off"))]
+    for mode in ("ngram", "self"):
+        for depth in (1, 4):
+            assert [r.token_ids for r in engine.generate(prompts, params, SpecOverride(mode, depth))] == plain

@@ -1,0 +1,73 @@
+"""GGUF blocks -> the gguf weight format, value for value (against gguf-py's own dequantization)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from serve_app.engine.quantized import Q4KWeight, Q8Weight
+from serve_app.packs.extract_blocks import checkpoint_name, matching, q4k_from_blocks, q8_from_blocks
+
+BLOCK_BYTES = {Q.Q4_K: 144, Q.Q8_0: 34, Q.Q5_0: 22, Q.Q4_0: 18}
+BLOCK_VALUES = {Q.Q4_K: 256, Q.Q8_0: 32, Q.Q5_0: 32, Q.Q4_0: 32}
+
+
+def random_blocks(kind: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of ``kind`` with sane fp16 scales (random bytes there could be inf or NaN)."""
+    rng = np.random.default_rng(seed)
+    blocks = cols // BLOCK_VALUES[kind]
+    raw = rng.integers(0, 256, size=(rows, blocks, BLOCK_BYTES[kind]), dtype=np.uint8)
+    scale_bytes = 4 if kind == Q.Q4_K else 2  # Q4_K: d and dmin; the others: d
+    scales = rng.uniform(0.001, 0.05, size=(rows, blocks, scale_bytes // 2)).astype(np.float16)
+    raw[..., :scale_bytes] = scales.view(np.uint8).reshape(rows, blocks, scale_bytes)
+    return raw.reshape(rows, blocks * BLOCK_BYTES[kind])
+
+
+def dense_of(weight: Q4KWeight | Q8Weight) -> torch.Tensor:
+    if isinstance(weight, Q4KWeight):
+        return weight.dequantize()
+    scales = weight.scales.view(torch.float16).float()
+    return (weight.data.float().reshape(*scales.shape, 32) * scales[..., None]).reshape(weight.shape)
+
+
+def test_q4k_blocks_keep_every_value() -> None:
+    raw = random_blocks(Q.Q4_K, 6, 512)
+    weight = q4k_from_blocks(raw, 6, 512)
+    want = torch.from_numpy(dequantize(raw, Q.Q4_K).reshape(6, 512))
+    assert torch.equal(weight.dequantize(), want)
+    assert weight.nbytes < raw.nbytes * 1.03  # 4.625 bits per weight against the file's 4.5
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q5_0, Q.Q4_0])
+def test_small_integer_blocks_are_exact_in_q8(kind: Q) -> None:
+    raw = random_blocks(kind, 5, 96, seed=int(kind))
+    weight = q8_from_blocks(raw, 5, 96, kind)
+    want = torch.from_numpy(dequantize(raw, kind).reshape(5, 96))
+    assert torch.equal(dense_of(weight), want)
+
+
+def test_matching_takes_back_the_llama_row_order() -> None:
+    weight = q4k_from_blocks(random_blocks(Q.Q4_K, 16, 256, seed=3), 16, 256)
+    dense = weight.dequantize().to(torch.bfloat16)
+    assert torch.equal(dense_of(matching(weight, dense, heads=(4,))), weight.dequantize())
+    # llama.cpp stores each head's rows as (i, half) where the checkpoint has (half, i)
+    heads, per_half = 2, 4
+    stored = torch.arange(16).reshape(heads, 2, per_half).transpose(1, 2).reshape(16)
+    as_stored = Q4KWeight(
+        *(getattr(weight, f).index_select(0, stored) for f in Q4KWeight.__dataclass_fields__)
+    )
+    found = matching(as_stored, dense, heads=(heads,))
+    assert found is not None and torch.equal(found.dequantize(), weight.dequantize())
+    assert matching(as_stored, dense, heads=(8,)) is None  # no order matches: left out, not guessed
+
+
+def test_checkpoint_names() -> None:
+    assert checkpoint_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert checkpoint_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert checkpoint_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert checkpoint_name("output.weight") == "lm_head.weight"
+    assert checkpoint_name("blk.0.attn_norm.weight") is None
+    assert checkpoint_name("blk.0.attn_q.bias") is None
