@@ -33,12 +33,16 @@ def build(verbose: bool = False) -> Path:
     # Exactly the instructions the kernel uses (not -march=native): an image built here runs on any
     # AVX2 host.
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c"] if vectorized else ["-O3"]
+    # at::parallel_for splits the output features over torch's threads only when compiled with
+    # OpenMP; the library then shares torch's own libgomp (same soname, loaded first), one pool.
+    flags.append("-fopenmp")
     work = BUILD_DIR / "work"
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
     sources = [str(s) for s in SOURCES]
-    load(MODULE_NAME, sources, extra_cflags=flags, build_directory=str(work), verbose=verbose)
+    load(MODULE_NAME, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(work),
+         verbose=verbose)  # fmt: skip
     built = next(work.glob(f"{MODULE_NAME}*.so"))
     for stale in BUILD_DIR.glob("*.so"):  # an earlier build's library (or an older module name)
         stale.unlink()

@@ -29,7 +29,7 @@ from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
 from serve_app.engine.kv_cache import CacheBatch, KVCache
 from serve_app.engine.packing import LayerPacker, model_packer
-from serve_app.engine.quantized import QuantizedWeight
+from serve_app.engine.quantized import Q8Weight, QuantizedWeight
 from serve_app.engine.weights import (
     WEIGHT_FORMATS,
     Weight,
@@ -224,8 +224,10 @@ class DecoderModel:
         # A tied, unrestricted head shares the embedding table, which must stay plain for lookups
         # (a quantized head is a copy: the table stays for the lookups).
         head_name = "model.embed_tokens.weight" if head is self.embed else "lm_head.weight"
-        if weight_format == "dense" or self.head_ids is not None:
+        if weight_format == "dense":
             self.lm_head = head if head is self.embed else prepack(head)
+        elif self.head_ids is not None:  # a draft's restricted head: no GGUF block matches its rows
+            self.lm_head = Q8Weight.quantize(head)
         else:
             self.lm_head = pack([head_name], [head])
         self.layers = []

@@ -79,40 +79,56 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* sc
   });
 }
 
-// sum_b m[b] * bsum[b] over one super-block: exact in int32 (|.| <= 63 * 4064 * 8).
-inline int32_t min_sum(const uint8_t* mn, const int16_t* bsum) {
-  int32_t total = 0;
-  for (int64_t b = 0; b < kBlocks; ++b) total += static_cast<int32_t>(mn[b]) * bsum[b];
-  return total;
+// The min term of one super-block as four exact int32 lanes: lane i = m[2i] bsum[2i] + m[2i+1] bsum[2i+1]
+// (as _mm_madd_epi16 forms them; |.| <= 2 * 63 * 4064).
+inline void min_lanes(const uint8_t* mn, const int16_t* bsum, int32_t lanes[4]) {
+  for (int i = 0; i < 4; ++i)
+    lanes[i] = static_cast<int32_t>(mn[2 * i]) * bsum[2 * i] + static_cast<int32_t>(mn[2 * i + 1]) * bsum[2 * i + 1];
 }
+
+inline float mins_sum4(const float* l) { return (l[0] + l[2]) + (l[1] + l[3]); }
 
 #if SPECSERVE_AVX2
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// One weight row against G activation rows; the 4-bit unpacking is shared by the rows.
+// Shuffle masks that broadcast 16-bit element b of a 128-bit lane to all eight of its elements.
+alignas(32) const uint8_t kBroadcast16[8][32] = {
+#define SPECSERVE_B(b) {2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, \
+                        2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, \
+                        2*b, 2*b+1, 2*b, 2*b+1}
+    SPECSERVE_B(0), SPECSERVE_B(1), SPECSERVE_B(2), SPECSERVE_B(3),
+    SPECSERVE_B(4), SPECSERVE_B(5), SPECSERVE_B(6), SPECSERVE_B(7),
+#undef SPECSERVE_B
+};
+
+// One weight row against G activation rows; the 4-bit unpacking and the scales are shared by the rows.
 template <int G>
 void dot_group_avx2(const Q4K& w, const Rows& x, int64_t k, float* out, int64_t out_stride) {
   const int64_t supers = k / kSuper;
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[G];
-  float mins[G];
+  __m128 mins[G];
   for (int r = 0; r < G; ++r) {
     acc[r] = _mm256_setzero_ps();
-    mins[r] = 0.f;
+    mins[r] = _mm_setzero_ps();
   }
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* q = w.qs + s * kSuperBytes;
     _mm_prefetch(reinterpret_cast<const char*>(q + 4 * kSuperBytes), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(q + 4 * kSuperBytes + 64), _MM_HINT_T0);
-    const uint8_t* sc = w.sc + s * kBlocks;
+    // the eight block scales as int16, in both 128-bit lanes
+    const __m256i sc16 = _mm256_broadcastsi128_si256(
+        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + s * kBlocks))));
+    const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + s * kBlocks)));
     __m256i isum[G];
     for (int r = 0; r < G; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m256i bytes = load32(q + 32 * j);
       const __m256i lo = _mm256_and_si256(bytes, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      const __m256i sc_lo = _mm256_set1_epi16(sc[2 * j]);
-      const __m256i sc_hi = _mm256_set1_epi16(sc[2 * j + 1]);
+      const __m256i sc_lo = _mm256_shuffle_epi8(sc16, load32(kBroadcast16[2 * j]));
+      const __m256i sc_hi = _mm256_shuffle_epi8(sc16, load32(kBroadcast16[2 * j + 1]));
 #pragma GCC unroll 4
       for (int r = 0; r < G; ++r) {
         const int8_t* xr = x.q + r * k + s * kSuper + 64 * j;
@@ -122,14 +138,20 @@ void dot_group_avx2(const Q4K& w, const Rows& x, int64_t k, float* out, int64_t 
       }
     }
     const float d = half_to_float(w.d[s]), dmin = half_to_float(w.dmin[s]);
+#pragma GCC unroll 4
     for (int r = 0; r < G; ++r) {
       const float xs = x.scale[r * supers + s];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * xs), acc[r]);
-      const int32_t msum = min_sum(w.mn + s * kBlocks, x.bsum + (r * supers + s) * kBlocks);
-      mins[r] = std::fma(static_cast<float>(msum), dmin * xs, mins[r]);
+      const __m128i bsum = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.bsum + (r * supers + s) * kBlocks));
+      const __m128 msum = _mm_cvtepi32_ps(_mm_madd_epi16(mn16, bsum));
+      mins[r] = _mm_fmadd_ps(msum, _mm_set1_ps(dmin * xs), mins[r]);
     }
   }
-  for (int r = 0; r < G; ++r) out[r * out_stride] = specserve::lanes_sum(acc[r]) - mins[r];
+  for (int r = 0; r < G; ++r) {
+    alignas(16) float m[4];
+    _mm_store_ps(m, mins[r]);
+    out[r * out_stride] = specserve::lanes_sum(acc[r]) - mins_sum4(m);
+  }
 }
 #endif
 
@@ -137,7 +159,7 @@ void dot_group_avx2(const Q4K& w, const Rows& x, int64_t k, float* out, int64_t 
 void dot_row_scalar(const Q4K& w, const Rows& x, int64_t k, float* out) {
   const int64_t supers = k / kSuper;
   float acc[8] = {};
-  float mins = 0.f;
+  float mins[4] = {};
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* q = w.qs + s * kSuperBytes;
     int32_t isum[8] = {};
@@ -158,10 +180,12 @@ void dot_row_scalar(const Q4K& w, const Rows& x, int64_t k, float* out) {
     const float xs = x.scale[s];
     const float step = half_to_float(w.d[s]) * xs;
     for (int lane = 0; lane < 8; ++lane) acc[lane] = std::fma(static_cast<float>(isum[lane]), step, acc[lane]);
-    const int32_t msum = min_sum(w.mn + s * kBlocks, x.bsum + s * kBlocks);
-    mins = std::fma(static_cast<float>(msum), half_to_float(w.dmin[s]) * xs, mins);
+    int32_t msum[4];
+    min_lanes(w.mn + s * kBlocks, x.bsum + s * kBlocks, msum);
+    const float min_step = half_to_float(w.dmin[s]) * xs;
+    for (int i = 0; i < 4; ++i) mins[i] = std::fma(static_cast<float>(msum[i]), min_step, mins[i]);
   }
-  *out = specserve::lanes_sum8(acc) - mins;
+  *out = specserve::lanes_sum8(acc) - mins_sum4(mins);
 }
 
 constexpr int64_t kGroup = 4;  // activation rows sharing each unpacked weight block
