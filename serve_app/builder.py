@@ -195,7 +195,8 @@ def share_cost_model(engine: SpecEngine, stats: SharedStats, pair: str, threads:
 
     from serve_app.engine.proposers.base import ModelDrafter
 
-    hardware = f"{platform.machine()}-{_cpu_name()}-{threads}t-{engine.model.dtype}"
+    model = engine.model
+    hardware = f"{platform.machine()}-{_cpu_name()}-{threads}t-{model.dtype}-{model.weight_format}"
     cached = _readable(stats.get_cost_model(hardware, pair))
     # A cached model that lacks one of this engine's model-based proposers (e.g. shared by a replica
     # of the same pair without self-speculation) would price its draft steps at 0: profile instead.

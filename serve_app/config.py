@@ -56,11 +56,12 @@ class RuntimeSettings(_Section):
     threads: int | None = Field(
         None, ge=1, description="torch intra-op threads; null keeps torch's default (all cores)."
     )
-    weight_format: Literal["dense", "q8", "gguf"] = Field(
-        "dense",
+    weight_format: Literal["auto", "dense", "q8", "gguf"] = Field(
+        "auto",
         description="The target's matrices: dense (the dtype above); q8 (int8 with a scale per 32 inputs); "
-        "gguf (a model pack's own GGUF blocks: Q4_K as they are, Q6_K as q8). q8 and gguf multiply with "
-        "int8 activations in our compiled kernels (row-invariant, so speculation stays exact).",
+        "gguf (a model pack's own GGUF blocks: Q4_K as they are, Q6_K as q8); auto: gguf for a model pack "
+        "where our kernels are built, else dense. q8 and gguf multiply with int8 activations in our "
+        "compiled kernels (row-invariant, so speculation stays exact).",
     )
     batch_invariant: bool = Field(
         True,

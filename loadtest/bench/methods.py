@@ -115,10 +115,12 @@ def auto_method(engine: Any, settings: Settings, n: int, name: str = AUTO) -> Me
         engine.config, spec_method=method, policy=spec.policy, policy_params=dict(spec.policy_params)
     )
     proposers, cache = dict(engine.proposers), None
-    for name, proposer in engine.proposers.items():
+    for proposer_name, proposer in engine.proposers.items():
         if isinstance(proposer, SelfSpecProposer):  # it drafts in its engine's cache: the new one's
             cache = cache or engine.model.new_cache(config.max_slots, config.max_seq_len)
-            proposers[name] = SelfSpecProposer(engine.model, cache, proposer.skip, proposer.min_confidence)
+            proposers[proposer_name] = SelfSpecProposer(
+                engine.model, cache, proposer.skip, proposer.min_confidence
+            )
     auto = SpecEngine(engine.model, engine.tokenizer, config, engine.eos_ids, proposers, cache=cache)
     if spec.profile_cost_model:
         auto.profile_cost_model()

@@ -2,7 +2,7 @@
 
 The text: the first ``--max-tokens`` x 8 tokens (512 by default) of the standard library's
 ``textwrap.py``, on every machine, never in any training set we control. Each format of the target
-(float32 as the reference, the settings' dtype, and the q8 format) runs one teacher-forced prefill
+(float32 as the reference, bf16, the q8 format and the pack's own GGUF blocks) runs one teacher-forced prefill
 over it; reported per format: perplexity, and top-1 agreement with the float32 reference (the
 share of positions where both predict the same next token).
 """
@@ -22,7 +22,10 @@ import torch
 from loadtest.bench.results import write_table
 from serve_app.config import Settings
 
-FORMATS = (("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "q8"), ("float32", "q8"))
+FORMATS = (
+    ("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "q8"), ("float32", "q8"),
+    ("bfloat16", "gguf"), ("float32", "gguf"),
+)  # fmt: skip
 
 
 def text_tokens(tokenizer: object, count: int) -> list[int]:
@@ -51,6 +54,7 @@ def measure_quality(args: argparse.Namespace, settings: Settings) -> int:
     from transformers import AutoTokenizer
 
     from serve_app.builder import model_store
+    from serve_app.engine.block_file import blocks_path
     from serve_app.engine.device import set_threads
 
     set_threads(settings.runtime.threads)
@@ -59,6 +63,9 @@ def measure_quality(args: argparse.Namespace, settings: Settings) -> int:
     reference = None
     rows = []
     for dtype, weight_format in FORMATS:
+        if weight_format == "gguf" and not blocks_path(path).is_file():
+            print(f"[bench] no GGUF blocks in {path} (not a model pack): gguf left out", file=sys.stderr)
+            continue
         start = time.perf_counter()
         logits = logits_of(path, dtype, weight_format, ids)
         top1 = logits.argmax(-1)

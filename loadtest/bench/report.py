@@ -124,12 +124,13 @@ def summary(result: BenchResult) -> dict[str, Any]:
     overall_decode = {m: statistics.median(v) if v else None for m, v in decode.items()}
     mean_context = statistics.mean(p.prompt_tokens for p in result.prompts) + n / 2
     roofline = result.copy_bandwidth / result.bytes_per_token
+    own = {m: result.copy_bandwidth / result.method_bytes.get(m, result.bytes_per_token) for m in methods}
     return {
         "reference": ref, "speedup_references": refs, "rows": rows, "groups": groups,
         "tok_s": overall["tok_s"], "decode_tok_s": overall_decode, "speedup": overall["speedup"],
         "headline": _headline(groups, methods),
         "roofline_tok_s": roofline, "kv_bytes_mean": result.kv_bytes_per_position * mean_context,
-        "fraction": {m: overall["tok_s"][m] / roofline for m in methods},
+        "fraction": {m: overall["tok_s"][m] / own[m] for m in methods},
     }  # fmt: skip
 
 
@@ -201,6 +202,10 @@ def to_markdown(result: BenchResult) -> str:
         against = ", ".join(f"{x:.2f}x {r} (target >= {h['targets'][r]}x)" for r, x in h["speedup"].items())
         lines += [f"Headline ({h['group']} prompts, best draft depth): `{h['method']}` {against}.", ""]
     frac = ", ".join(f"{m} {s['fraction'][m]:.0%}" for m in methods)
+    own = {m: b for m, b in result.method_bytes.items() if m in methods and b != result.bytes_per_token}
+    if own:  # methods on quantized weights read fewer bytes: each is measured against its own
+        listed = ", ".join(f"{m} {b / GB:.3f} GB" for m, b in own.items())
+        frac += f" (against their own weights where they differ: {listed} per token)"
     lines += [
         f"Roofline: {result.bytes_per_token / GB:.3f} GB of weights read per decoded token (output head "
         f"included, embedding table not) at {result.copy_bandwidth / GB:.1f} GB/s copy bandwidth "

@@ -53,7 +53,7 @@ class BenchResult:
     repeats: int
     methods: list[str]  # in report order; specserve-plain (else the first) is the identity reference
     prompts: list[PromptResult]
-    bytes_per_token: int  # weights read per decoded token (``loadtest.bench.machine``)
+    bytes_per_token: int  # weights read per decoded token (``loadtest.bench.machine``), base engine
     kv_bytes_per_position: int  # KV cache bytes read per context position per decoded token
     copy_bandwidth: float  # bytes/s, read + write
     machine: dict[str, Any]
@@ -61,6 +61,8 @@ class BenchResult:
     method_notes: dict[str, str] = field(default_factory=dict)  # method -> what exactly it runs
     sweep: Sweep | None = None
     cost_curve: CostCurve | None = None
+    # method -> the bytes its own target reads per token where its weight format differs (``+gguf``)
+    method_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def write_table(out: str, prefix: str, markdown: str, rows: list[dict[str, Any]]) -> Path:

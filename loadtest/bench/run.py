@@ -39,13 +39,14 @@ from loadtest.bench.machine import (
 )
 from loadtest.bench.method_names import (
     ASSISTED,
-    AUTO,
     LLAMA_CPP,
     TRANSFORMERS,
+    Family,
     assistant_role,
     draft_depth,
     engine_proposers,
     model_proposers,
+    parse_method,
     select_methods,
 )
 from loadtest.bench.methods import our_methods
@@ -125,7 +126,9 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
     needed = engine_proposers(names)
     needed += [m for m in modes if m != SWEEP_PLAIN] if concurrencies else []
     needed += model_proposers()[:1] if args.cost_curve else []
-    optional = settings.speculation.loaded_proposers() if AUTO in names else []  # as a replica loads
+    parsed = [p for p in map(parse_method, names) if p is not None]
+    auto = any(p.family is Family.AUTO for p in parsed)
+    optional = settings.speculation.loaded_proposers() if auto else []  # as a replica loads
     n, rt, ref, spec = args.max_tokens, settings.runtime, settings.model.target, settings.speculation
     shape = {
         "optional": optional,
@@ -133,19 +136,24 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
         "depth": max([spec.depth, *depths]),
         "n": n,
     }
-    engine = bench_engine(settings, needed, **shape)
-    model = engine.model
-    print(f"measuring copy bandwidth on {model.device} ...", file=sys.stderr)
-    bandwidth = measure_copy_bandwidth(model.device)
-    engines = {None: engine}
+    engines: dict[str, Any] = {}
 
     def engine_for(weight_format: str | None) -> Any:
-        """The shared engine, or one like it on the target in another weight format (``+q8``)."""
+        """The engine on the target in ``weight_format`` (None: the settings'), built once (``+q8``)."""
+        weight_format = weight_format or rt.weight_format
         if weight_format not in engines:
             runtime = settings.runtime.model_copy(update={"weight_format": weight_format})
             other = settings.model_copy(update={"runtime": runtime})
             engines[weight_format] = bench_engine(other, needed, **shape)
         return engines[weight_format]
+
+    # The base engine (prompts, sweeps, the roofline) is in the format of the first of our methods,
+    # so that a run of only `+gguf` methods never loads the dense weights.
+    ours = [p for p in parsed if p.family not in (Family.TRANSFORMERS, Family.PEER)]
+    engine = engine_for(ours[0].weight_format if ours else None)
+    model = engine.model
+    print(f"measuring copy bandwidth on {model.device} ...", file=sys.stderr)
+    bandwidth = measure_copy_bandwidth(model.device)
 
     methods = our_methods(names, engine_for, settings, n)
     if theirs := [m for m in names if m in TRANSFORMERS]:
@@ -180,6 +188,7 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
         machine={**machine_info(), "device": str(model.device)},
         draft=getattr(settings.model, role) if role and (drafter or ASSISTED in names) else None,
         method_notes={m.name: m.description for m in methods}, sweep=sweep, cost_curve=cost_curve,
+        method_bytes={p.name: bytes_per_token(engine_for(p.weight_format).model) for p in ours},
     )  # fmt: skip
     write_report(result, args.out)
     return 0

@@ -25,8 +25,22 @@ Q4K_FIELDS = ("qs", "d", "dmin", "scales", "mins")
 Q8_FIELDS = ("data", "scales")
 
 
+AUTO = "auto"  # a weight format resolved per model folder (resolve_weight_format)
+
+
 def blocks_path(model_dir: str | Path) -> Path:
     return Path(model_dir) / BLOCKS_FILE
+
+
+def resolve_weight_format(requested: str, model_dir: str | Path, device: str = "cpu") -> str:
+    """``requested``, or for ``auto``: ``gguf`` on a CPU where the folder has GGUF blocks (a model
+    pack) and our kernels are built (they are CPU kernels), else ``dense``."""
+    from serve_app.engine.kernels import kernels_module
+
+    if requested != AUTO:
+        return requested
+    usable = str(device).startswith("cpu") and kernels_module() is not None
+    return "gguf" if usable and blocks_path(model_dir).is_file() else "dense"
 
 
 def tensors_of(name: str, weight: Q4KWeight | Q8Weight) -> dict[str, torch.Tensor]:

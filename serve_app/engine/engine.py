@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from policies import FittedCostModel, PolicyConfig, create_policy
+from serve_app.engine.block_file import resolve_weight_format
 from serve_app.engine.decoder_config import read_generation_eos
 from serve_app.engine.detokenizer import IncrementalDetokenizer
 from serve_app.engine.device import DTYPES, resolve_device
@@ -118,9 +119,9 @@ class SpecEngine:
         from transformers import AutoTokenizer
 
         config = config or EngineConfig()
-        model = DecoderModel.from_pretrained(
-            path, DTYPES[dtype], resolve_device(device), weight_format=config.weight_format
-        )
+        device = resolve_device(device)
+        config = replace(config, weight_format=resolve_weight_format(config.weight_format, path, str(device)))
+        model = DecoderModel.from_pretrained(path, DTYPES[dtype], device, weight_format=config.weight_format)
         tokenizer = AutoTokenizer.from_pretrained(path)
         cache = model.new_cache(config.max_slots, config.max_seq_len)
         context = ProposerContext(

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies import FIXED_POLICY
+from serve_app.engine.block_file import AUTO
 from serve_app.engine.weights import WEIGHT_FORMATS
 
 COUPLED, REJECTION = "coupled", "rejection"  # the sampling schemes (EngineConfig.sampling)
@@ -33,10 +34,14 @@ class EngineConfig:
     # Probe every product kind at start and run each on a row count whose rows agree with any other
     # (engine.invariance); off only to measure what it costs.
     batch_invariant: bool = True
-    weight_format: str = "dense"  # the target's matrices: as loaded, or "q8" (weights.Q8Weight)
+    # the target's matrices: one of weights.WEIGHT_FORMATS, or "auto" (block_file.resolve_weight_format,
+    # resolved when the engine loads its model folder)
+    weight_format: str = "dense"
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLING_SCHEMES:
             raise ValueError(f"sampling must be one of {SAMPLING_SCHEMES}, got {self.sampling!r}")
-        if self.weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        if self.weight_format not in (*WEIGHT_FORMATS, AUTO):
+            raise ValueError(
+                f"weight_format must be one of {(*WEIGHT_FORMATS, AUTO)}, got {self.weight_format!r}"
+            )

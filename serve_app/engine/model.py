@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from serve_app.engine.block_file import read_blocks
+from serve_app.engine.block_file import BLOCKS_FILE, read_blocks
 from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
 from serve_app.engine.kv_cache import CacheBatch, KVCache
@@ -235,7 +235,7 @@ class DecoderModel:
             prefix, layer_weights = f"model.layers.{i}.", _sub(weights, f"model.layers.{i}.")
 
             def pack_layer(names: Sequence[str], prefix: str = prefix, own: dict = layer_weights) -> Weight:
-                return pack([prefix + n for n in names], [own[n] for n in names])
+                return pack([prefix + n for n in names], [own.get(n) for n in names])
 
             self.layers.append(DecoderLayer(cfg, layer_weights, pack_layer))
         self.dtype = self.embed.dtype
@@ -261,15 +261,17 @@ class DecoderModel:
         path = Path(path)
         hf_config = AutoConfig.from_pretrained(path)
         cfg = DecoderConfig.from_hf(hf_config)
-        files = sorted(path.glob("*.safetensors"))
+        files = sorted(f for f in path.glob("*.safetensors") if f.name != BLOCKS_FILE)
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
+        blocks = read_blocks(path) if weight_format == "gguf" else {}
         weights: dict[str, torch.Tensor] = {}
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if name in blocks and name != "model.embed_tokens.weight":  # the lookups need it
+                        continue  # a matrix the GGUF blocks hold: its dense copy is never used
                     weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-        blocks = read_blocks(path) if weight_format == "gguf" else None
         return cls(cfg, hf_config, weights, draft, weight_format, blocks)
 
     @classmethod

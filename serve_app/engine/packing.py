@@ -10,7 +10,8 @@ from serve_app.engine.quantized import Int8Weight, Q8Weight, QuantizedWeight, co
 from serve_app.engine.weights import Weight, prepack
 
 LayerPacker = Callable[[Sequence[str]], Weight]  # a layer's parameter names -> one (fused) weight
-ModelPacker = Callable[[Sequence[str], Sequence[torch.Tensor]], Weight]  # full names, their tensors
+# full names, their tensors (None where only ``blocks`` hold a matrix)
+ModelPacker = Callable[[Sequence[str], Sequence[torch.Tensor | None]], Weight]
 
 
 def model_packer(weight_format: str, int8: bool, blocks: Mapping[str, QuantizedWeight]) -> ModelPacker:

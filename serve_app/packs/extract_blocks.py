@@ -124,7 +124,9 @@ def extract_blocks(gguf_file: Path, model_dir: Path, progress: bool = True) -> P
     hf_config = AutoConfig.from_pretrained(model_dir)
     heads = (hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", 0) or 0)
     handles = [
-        safe_open(str(f), framework="pt", device="cpu") for f in sorted(model_dir.glob("*.safetensors"))
+        safe_open(str(f), framework="pt", device="cpu")
+        for f in sorted(model_dir.glob("*.safetensors"))
+        if f.name != BLOCKS_FILE
     ]
     dense_names = {name: h for h in handles for name in h.keys()}  # noqa: SIM118
     converters: dict[object, Callable] = {Q.Q4_K: q4k_from_blocks}

@@ -29,10 +29,13 @@ def seeded(seed: int, temperature: float = 0.8) -> SamplingParams:
     return SamplingParams(max_tokens=16, temperature=temperature, top_p=0.95, seed=seed, ignore_eos=True)
 
 
-def load(path, proposers: dict[str, dict], depth: int = 4, slots: int = 8) -> SpecEngine:
+def load(
+    path, proposers: dict[str, dict], depth: int = 4, slots: int = 8, weights: str = "dense"
+) -> SpecEngine:
     method = next(iter(proposers), None)
     config = EngineConfig(max_slots=slots, max_seq_len=512, spec_method=method, spec_depth=depth,
-                          max_depth=8, proposer_options=proposers, max_waiting=64)  # fmt: skip
+                          max_depth=8, proposer_options=proposers, max_waiting=64,
+                          weight_format=weights)  # fmt: skip
     return SpecEngine.from_path(path, config, "bfloat16", "cpu")
 
 
@@ -114,6 +117,23 @@ def test_qwen_pair_is_exact_in_bf16(qwen_pair) -> None:
     for mode in ("draft", "ngram", "self"):
         assert tokens(engine, prompts, GREEDY, mode) == plain, mode
     sampled = [seeded(11), seeded(12, 1.0)]
+    assert tokens(engine, prompts, sampled, "draft") == tokens(engine, prompts, sampled, "off")
+
+
+@pytest.mark.slow
+def test_qwen_pair_on_the_packs_own_gguf_blocks_is_exact(qwen_pair) -> None:
+    """What `specserve serve` runs by default here: both models on their GGUF blocks (Q4_K kept)."""
+    target, draft = qwen_pair
+    engine = load(target, {"draft": {"model_path": draft}, "ngram": {}}, depth=5, weights="auto")
+    assert engine.config.weight_format == "gguf" and engine.exact
+    kinds = {type(layer.gate_up).__name__ for layer in engine.model.layers}
+    assert "Q4KWeight" in kinds
+    assert engine.proposers["draft"].model.weight_format == "gguf"
+    prompts = [engine.encode_prompt(PROMPTS[1]), engine.encode_prompt(CHAT[0], chat=True)]
+    plain = tokens(engine, prompts, GREEDY, "off")
+    for mode in ("draft", "ngram"):
+        assert tokens(engine, prompts, GREEDY, mode) == plain, mode
+    sampled = [seeded(5), seeded(6, 1.0)]
     assert tokens(engine, prompts, sampled, "draft") == tokens(engine, prompts, sampled, "off")
 
 

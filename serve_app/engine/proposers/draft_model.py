@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from serve_app.engine.block_file import blocks_path
 from serve_app.engine.model import DecoderModel, DraftOptions
 from serve_app.engine.proposers.base import Draft, ProposeRow
 from serve_app.engine.proposers.choice import choose_tokens
@@ -188,7 +189,10 @@ def build_draft_proposer(context: ProposerContext) -> DraftModelProposer:
         "target_name", "the target")), name)  # fmt: skip
     head_tokens = int(context.options.get("head_tokens", 0) or 0)
     weight_format = str(context.options.get("weight_format", "target"))
-    weight_format = target.weight_format if weight_format == "target" else weight_format
+    if weight_format == "target":  # the target's, where this folder can have it (gguf needs blocks)
+        weight_format = target.weight_format
+        if weight_format == "gguf" and not blocks_path(path).is_file():
+            weight_format = "q8"
     options = DraftOptions(
         int8=weight_format == "dense" and bool(context.options.get("int8", False)),
         head_ids=frequent_token_ids(context.tokenizer, head_tokens) if head_tokens else None,

@@ -54,6 +54,7 @@ def test_auto_method_gives_self_its_own_cache(self_engine, tiny_tokenizer) -> No
     ids = tiny_tokenizer("def add(a, b):")["input_ids"]
     settings = Settings(speculation={"policy": "static", "profile_cost_model": False})
     auto = auto_method(self_engine, settings, 10)
+    assert auto.name == "specserve-auto"  # its own name, not that of a proposer it loads
     plain = specserve_method(self_engine, 10, "plain", "off").run(ids)
     run = auto.run(ids)
     assert run.token_ids == plain.token_ids and run.drafted  # static: "auto" = the method, self
