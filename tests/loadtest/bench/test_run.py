@@ -177,6 +177,14 @@ def test_summary_headline_and_roofline() -> None:
     assert s["kv_bytes_mean"] == pytest.approx(1000 * (17 + N / 2))  # mean prompt 17 + half the output
 
 
+def test_a_method_on_quantized_weights_meets_its_own_roofline() -> None:
+    result = _result()
+    result.method_bytes = {OURS: int(2e9), D2: int(1e9)}  # D2's target reads half the bytes
+    s = report.summary(result)
+    assert s["fraction"] == pytest.approx({OURS: 0.75, D2: 1.0, AS: 1.0})  # 20 tok/s of its own 20
+    assert f"{D2} 1.000 GB" in report.to_markdown(result)
+
+
 def test_summary_without_plain_or_drafts() -> None:
     s = report.summary(_result((D2, AS)))
     assert s["reference"] == D2 and s["speedup_references"] == [AS]
