@@ -6,8 +6,6 @@ order), so speculation on a Q4_K target is bit-exact against its plain decoding.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -15,15 +13,12 @@ from serve_app.engine.exactness import make_exact
 from serve_app.engine.invariance import probe_rows
 from serve_app.engine.kernels import kernels_module
 from serve_app.engine.model import DecoderModel
-from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.quantized import Q4KWeight, Q8Weight, RowStack, concat_rows
 from serve_app.engine.weights import linear, product_kind
 from tests.conftest import make_tiny_engine, make_tiny_hf_model
+from tests.engine.quantized_helpers import assert_speculation_equals_plain, require_built_kernels
 
-if kernels_module() is None:
-    if os.environ.get("CI"):
-        pytest.fail("our kernels are not built (make install builds them)", pytrace=False)
-    pytest.skip("our kernels are not built: run `python -m serve_app.native_build`", allow_module_level=True)
+require_built_kernels()
 
 
 def reference(x: torch.Tensor, weight: Q4KWeight) -> torch.Tensor:
@@ -126,14 +121,4 @@ def test_speculation_on_a_gguf_target_equals_its_plain_decoding(tiny_tokenizer) 
     hf = make_tiny_hf_model(tiny_tokenizer.vocab_size, layers=2, hidden=256)
     model = DecoderModel.from_hf_model(hf, weight_format="gguf", blocks=gguf_blocks(hf))
     engine = make_tiny_engine(model, tiny_tokenizer, proposers=["ngram", "self"], method="ngram")
-    assert engine.exact
-    prompts = [
-        tiny_tokenizer("def add(a, b):")["input_ids"],
-        tiny_tokenizer("for i in range(10):")["input_ids"],
-    ]
-    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)]  # fmt: skip
-    plain = [r.token_ids for r in engine.generate(prompts, params, SpecOverride("off"))]
-    for mode in ("ngram", "self"):
-        for depth in (1, 4):
-            assert [r.token_ids for r in engine.generate(prompts, params, SpecOverride(mode, depth))] == plain
+    assert_speculation_equals_plain(engine, tiny_tokenizer)
