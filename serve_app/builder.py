@@ -14,7 +14,6 @@ the registry's fallback proposer (one that needs no model) instead. A draft mode
 from __future__ import annotations
 
 import logging
-import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,12 +22,10 @@ from serve_app.engine.proposers.registry import fallback_proposer, proposer_spec
 from serve_app.packs.store import ModelStore
 
 if TYPE_CHECKING:
-    from policies import FittedCostModel
     from serve_app.async_engine import AsyncEngine
     from serve_app.engine.engine import SpecEngine
     from serve_app.engine.engine_config import EngineConfig
     from serve_app.engine.planner import StatsSink
-    from serve_app.observability.shared_stats import SharedStats
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +161,7 @@ def build_async_engine(settings: Settings, metrics_backend: str = "ray", tracer:
 
     from policies import policy_uses_cost_model
     from serve_app.async_engine import AsyncEngine
+    from serve_app.cost_model_cache import share_cost_model
     from serve_app.engine.device import set_threads
     from serve_app.observability.metrics import EngineMetrics
     from serve_app.observability.shared_stats import EngineStatsSink, SharedStats
@@ -174,7 +172,8 @@ def build_async_engine(settings: Settings, metrics_backend: str = "ray", tracer:
     stats.start()
     engine = build_engine(settings, stats=EngineStatsSink(stats))
     if settings.speculation.profile_cost_model and policy_uses_cost_model(settings.speculation.policy):
-        share_cost_model(engine, stats, model_pair(settings, engine.config.spec_method), threads)
+        pair = model_pair(settings, engine.config.spec_method)
+        share_cost_model(engine, stats, pair, threads, settings.store.cache_dir)
     name = served_model_name(settings)
     instance = AsyncEngine(
         engine,
@@ -187,48 +186,3 @@ def build_async_engine(settings: Settings, metrics_backend: str = "ray", tracer:
     )
     instance.on_shutdown.append(stats.close)
     return instance
-
-
-def share_cost_model(engine: SpecEngine, stats: SharedStats, pair: str, threads: int) -> None:
-    """Take the cluster's cost model for this hardware and model pair, or profile one and share it."""
-    import time
-
-    from serve_app.engine.proposers.base import ModelDrafter
-
-    model = engine.model
-    hardware = f"{platform.machine()}-{_cpu_name()}-{threads}t-{model.dtype}-{model.weight_format}"
-    cached = _readable(stats.get_cost_model(hardware, pair))
-    # A cached model that lacks one of this engine's model-based proposers (e.g. shared by a replica
-    # of the same pair without self-speculation) would price its draft steps at 0: profile instead.
-    drafters = {n for n, p in engine.proposers.items() if isinstance(p, ModelDrafter)}
-    if cached is not None and drafters <= set(cached.draft):
-        engine.use_cost_model(cached)
-        return
-    started = time.perf_counter()
-    cost = engine.profile_cost_model()
-    log.info("profiled the cost model in %.1f s", time.perf_counter() - started)
-    stats.put_cost_model(hardware, pair, cost.to_dict())
-
-
-def _readable(data: dict[str, Any] | None) -> FittedCostModel | None:
-    """A cached cost model, or None when there is none or it is of another version."""
-    from policies import FittedCostModel
-
-    if not data:
-        return None
-    try:
-        return FittedCostModel.from_dict(data)
-    except (ValueError, KeyError, TypeError):
-        log.info("the shared cost model is unreadable (another version?); profiling again")
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip().replace(" ", "_")
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
