@@ -15,8 +15,9 @@
 //
 // where both parenthesized sums are exact integers (|.| < 2^24, so exact as floats too). The float
 // steps run in one order for every (row, output), whatever the number of rows or threads:
-// eight lanes acc += float(integer lanes) * (d * s), mins += float(min sum) * (dmin * s), and the
-// result lanes_sum(acc) - mins. So a row's result never depends on the other rows (exactness).
+// eight lanes acc += float(integer lanes) * (d * s), four lanes mins += float(min lanes) * (dmin * s)
+// (the min sum as _mm_madd_epi16 pairs it), and the result lanes_sum(acc) - ((m0 + m2) + (m1 + m3)).
+// So a row's result never depends on the other rows (exactness).
 // AVX2: a 32-byte load gives two blocks (mask, shift), each one _mm256_maddubs_epi16 (q <= 15,
 // |xq| <= 127: pair sums fit in int16) and one _mm256_madd_epi16 by the block's scale. Without
 // AVX2 a scalar loop forms the same integer lanes and the same float steps.
