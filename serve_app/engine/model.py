@@ -269,8 +269,10 @@ class DecoderModel:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if name in blocks and name != "model.embed_tokens.weight":  # the lookups need it
-                        continue  # a matrix the GGUF blocks hold: its dense copy is never used
+                    # a layer matrix the GGUF blocks hold: its dense copy is never used (the
+                    # embedding serves lookups; the head decides tied vs untied and may be restricted)
+                    if name in blocks and name.startswith("model.layers."):
+                        continue
                     weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
         return cls(cfg, hf_config, weights, draft, weight_format, blocks)
 

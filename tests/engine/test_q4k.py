@@ -122,3 +122,20 @@ def test_speculation_on_a_gguf_target_equals_its_plain_decoding(tiny_tokenizer) 
     model = DecoderModel.from_hf_model(hf, weight_format="gguf", blocks=gguf_blocks(hf))
     engine = make_tiny_engine(model, tiny_tokenizer, proposers=["ngram", "self"], method="ngram")
     assert_speculation_equals_plain(engine, tiny_tokenizer)
+
+
+def test_an_untied_head_in_the_blocks_is_the_heads_own(tmp_path) -> None:
+    """from_pretrained skips the dense copies of blocked layer matrices, never the untied head's."""
+    from safetensors.torch import save_file
+
+    from serve_app.engine.block_file import BLOCKS_FILE, FORMAT, tensors_of
+
+    hf = make_tiny_hf_model(300, layers=1, hidden=256)  # untied head
+    hf.save_pretrained(tmp_path)
+    blocks = {**gguf_blocks(hf), "lm_head.weight": Q8Weight.quantize(hf.lm_head.weight.detach())}
+    entries = {k: v for name, w in blocks.items() for k, v in tensors_of(name, w).items()}
+    save_file(entries, str(tmp_path / BLOCKS_FILE), metadata={"format": FORMAT})
+    model = DecoderModel.from_pretrained(tmp_path, torch.float32, weight_format="gguf")
+    head = blocks["lm_head.weight"]
+    assert torch.equal(model.lm_head.data, head.data) and torch.equal(model.lm_head.scales, head.scales)
+    assert isinstance(model.layers[0].gate_up, Q4KWeight)
