@@ -2,7 +2,9 @@
 
 Run by ``make install``. Uses torch's extension builder (ninja, g++) and writes the library into
 ``serve_app/engine/kernels/_build/``, where the engine loads it. Compiled for AVX2 + FMA + F16C when
-the CPU has them, else as portable scalar code (also exact in the rows). A failed build says why
+the CPU has them, else as portable scalar code (also exact in the rows); the AVX-512 VNNI functions
+carry their own target attribute and are chosen at run time where the CPU has them, so one build
+serves both kinds of host (``kernels/isa.cpp``). A failed build says why
 and exits non-zero; the dense weight formats work without it.
 """
 

@@ -18,7 +18,7 @@ from types import ModuleType
 SOURCE_DIR = Path(__file__).resolve().parent
 BUILD_DIR = SOURCE_DIR / "_build"
 MODULE_NAME = "specserve_kernels"
-SOURCES = tuple(SOURCE_DIR / name for name in ("q8_linear.cpp", "q4k_linear.cpp", "module.cpp"))
+SOURCES = tuple(SOURCE_DIR / name for name in ("isa.cpp", "q8_linear.cpp", "q4k_linear.cpp", "module.cpp"))
 BUILD_COMMAND = "python -m serve_app.native_build"
 
 

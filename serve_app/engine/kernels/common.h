@@ -12,7 +12,23 @@
 #define SPECSERVE_AVX2 0
 #endif
 
+// AVX-512 (F, BW, VL) with VNNI: compiled beside the AVX2 code as functions with their own target
+// attribute and chosen at run time (an image built with these kernels still runs on AVX2 hosts).
+#if SPECSERVE_AVX2 && defined(__GNUC__) && defined(__x86_64__)
+#define SPECSERVE_AVX512 1
+#define SPECSERVE_AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#else
+#define SPECSERVE_AVX512 0
+#endif
+
 namespace specserve {
+
+// Which vector code the products run: "avx512" (AVX-512 VNNI), "avx2" or "scalar". Every path
+// forms the same integer lanes and the same float steps, so they agree bit for bit; the choice is
+// the best the CPU has unless force_isa (tests, benchmarks) narrowed it.
+const char* active_isa();
+void force_isa(const char* name);  // "auto", "avx512", "avx2" or "scalar"; throws if unavailable
+bool isa_is(const char* name);
 
 inline float half_to_float(uint16_t h) {
 #if SPECSERVE_AVX2

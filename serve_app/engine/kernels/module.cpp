@@ -1,6 +1,8 @@
 // The Python module of our kernels (built by `python -m serve_app.native_build`).
 #include <torch/extension.h>
 
+#include <string>
+
 #include "common.h"
 
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales);
@@ -11,4 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "x @ dequant(Q8 weight).T with int8 activations (exact in the rows)");
   m.def("q4k_linear", &q4k_linear, "x @ dequant(Q4_K weight).T with int8 activations (exact in the rows)");
   m.def("vectorized", [] { return static_cast<bool>(SPECSERVE_AVX2); }, "whether the AVX2 kernels were compiled in");
+  m.def("active_isa", [] { return std::string(specserve::active_isa()); },
+        "the vector code the products run: avx512, avx2 or scalar");
+  m.def("force_isa", [](const std::string& name) { specserve::force_isa(name.c_str()); },
+        "run the products on one path (auto, avx512, avx2, scalar); every path gives the same numbers");
 }

@@ -54,7 +54,16 @@ struct Rows {  // quantized activation rows
   const int16_t* bsum;   // [M, K / 32]
 };
 
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* scales, int16_t* bsums) {
+// Where block b (0..7) of a super-block goes in the activations: in order, or for the AVX-512 code
+// interleaved per 128 inputs as blocks 0 2 1 3 (its 64-byte weight loads hold blocks 0 and 2 in the
+// low nibbles and 1 and 3 in the high ones).
+inline int64_t block_slot(int64_t b, bool interleave) {
+  constexpr int64_t kInterleaved[4] = {0, 2, 1, 3};
+  return interleave ? (b & ~int64_t{3}) + kInterleaved[b & 3] : b;
+}
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, bool interleave, int8_t* q, float* scales,
+                   int16_t* bsums) {
   const int64_t supers = k / kSuper;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -67,9 +76,10 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* sc
         int8_t* qs = q + m * k + s * kSuper;
         for (int64_t b = 0; b < kBlocks; ++b) {
           int sum = 0;
+          int8_t* qb = qs + block_slot(b, interleave) * kBlock;
           for (int64_t i = 0; i < kBlock; ++i) {
             const float v = std::clamp(std::nearbyint(xs[b * kBlock + i] * inv), -127.f, 127.f);
-            qs[b * kBlock + i] = static_cast<int8_t>(v);
+            qb[i] = static_cast<int8_t>(v);
             sum += static_cast<int>(v);
           }
           bsums[(m * supers + s) * kBlocks + b] = static_cast<int16_t>(sum);
@@ -156,6 +166,71 @@ void dot_group_avx2(const Q4K& w, const Rows& x, int64_t k, float* out, int64_t 
 }
 #endif
 
+#if SPECSERVE_AVX512
+// The AVX-512 VNNI form of dot_group_avx2: a 64-byte load holds two 64-input chunks, its low nibbles
+// blocks 4t and 4t + 2, its high nibbles 4t + 1 and 4t + 3 (activations interleaved to match), and
+// each row takes one _mm512_maddubs_epi16 and one _mm512_dpwssd_epi32 (times the block scales) per
+// 32 bytes of activations. Folding the two 256-bit halves gives exactly the AVX2 code's eight
+// integer lanes (lane L: inputs 4L..4L+3 of every block, scaled), so the float steps that follow are
+// the same and so is every result, bit for bit.
+template <int G>
+SPECSERVE_AVX512_FN void dot_group_avx512(const Q4K& w, const Rows& x, int64_t k, float* out, int64_t out_stride) {
+  const int64_t supers = k / kSuper;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  // 16-bit scale lanes: the low 256 bits from one block, the high from another
+  const __m512i pick[4] = {
+      _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1),
+      _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1),
+      _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1),
+      _mm512_inserti64x4(_mm512_set1_epi16(5), _mm256_set1_epi16(7), 1)};
+  __m256 acc[G];
+  __m128 mins[G];
+  for (int r = 0; r < G; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    mins[r] = _mm_setzero_ps();
+  }
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* q = w.qs + s * kSuperBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(q + 4 * kSuperBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q + 4 * kSuperBytes + 64), _MM_HINT_T0);
+    const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + s * kBlocks));
+    const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sc8));
+    const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + s * kBlocks)));
+    __m512i isum[G];
+    for (int r = 0; r < G; ++r) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int t = 0; t < 2; ++t) {
+      const __m512i bytes = _mm512_loadu_si512(q + 64 * t);
+      const __m512i lo = _mm512_and_si512(bytes, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+      const __m512i sc_lo = _mm512_permutexvar_epi16(pick[2 * t], sc16);
+      const __m512i sc_hi = _mm512_permutexvar_epi16(pick[2 * t + 1], sc16);
+#pragma GCC unroll 8
+      for (int r = 0; r < G; ++r) {
+        const int8_t* xr = x.q + r * k + s * kSuper + 128 * t;
+        isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(xr)), sc_lo);
+        isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(xr + 64)), sc_hi);
+      }
+    }
+    const float d = half_to_float(w.d[s]), dmin = half_to_float(w.dmin[s]);
+#pragma GCC unroll 8
+    for (int r = 0; r < G; ++r) {
+      const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
+      const float xs = x.scale[r * supers + s];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), _mm256_set1_ps(d * xs), acc[r]);
+      const __m128i bsum = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.bsum + (r * supers + s) * kBlocks));
+      const __m128 msum = _mm_cvtepi32_ps(_mm_madd_epi16(mn16, bsum));
+      mins[r] = _mm_fmadd_ps(msum, _mm_set1_ps(dmin * xs), mins[r]);
+    }
+  }
+  for (int r = 0; r < G; ++r) {
+    alignas(16) float m[4];
+    _mm_store_ps(m, mins[r]);
+    out[r * out_stride] = specserve::lanes_sum(acc[r]) - mins_sum4(m);
+  }
+}
+#endif
+
 // The same numbers without AVX2: lane L of a block holds its bytes 4L..4L+3, as madd forms them.
 void dot_row_scalar(const Q4K& w, const Rows& x, int64_t k, float* out) {
   const int64_t supers = k / kSuper;
@@ -191,24 +266,38 @@ void dot_row_scalar(const Q4K& w, const Rows& x, int64_t k, float* out) {
 
 constexpr int64_t kGroup = 4;  // activation rows sharing each unpacked weight block
 
-void dot_rows(const Q4K& w, const Rows& x, int64_t rows, int64_t k, float* out, int64_t out_stride) {
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+Isa chosen_isa() {
+  return specserve::isa_is("avx512") ? Isa::kAvx512 : specserve::isa_is("avx2") ? Isa::kAvx2 : Isa::kScalar;
+}
+
+template <int G>
+void dot_group(Isa isa, const Q4K& w, const Rows& x, int64_t k, float* out, int64_t out_stride) {
+#if SPECSERVE_AVX512
+  if (isa == Isa::kAvx512) return dot_group_avx512<G>(w, x, k, out, out_stride);
+#endif
+#if SPECSERVE_AVX2
+  if (isa == Isa::kAvx2) return dot_group_avx2<G>(w, x, k, out, out_stride);
+#endif
+  const int64_t supers = k / kSuper, blocks = k / kBlock;
+  for (int64_t r = 0; r < G; ++r) {
+    const Rows one{x.q + r * k, x.scale + r * supers, x.bsum + r * blocks};
+    dot_row_scalar(w, one, k, out + r * out_stride);
+  }
+}
+
+void dot_rows(Isa isa, const Q4K& w, const Rows& x, int64_t rows, int64_t k, float* out, int64_t out_stride) {
   const int64_t supers = k / kSuper, blocks = k / kBlock;
   for (int64_t m = 0; m < rows; m += kGroup) {
     const Rows group{x.q + m * k, x.scale + m * supers, x.bsum + m * blocks};
     float* o = out + m * out_stride;
-#if SPECSERVE_AVX2
     switch (std::min(kGroup, rows - m)) {
-      case 4: dot_group_avx2<4>(w, group, k, o, out_stride); break;
-      case 3: dot_group_avx2<3>(w, group, k, o, out_stride); break;
-      case 2: dot_group_avx2<2>(w, group, k, o, out_stride); break;
-      default: dot_group_avx2<1>(w, group, k, o, out_stride); break;
+      case 4: dot_group<4>(isa, w, group, k, o, out_stride); break;
+      case 3: dot_group<3>(isa, w, group, k, o, out_stride); break;
+      case 2: dot_group<2>(isa, w, group, k, o, out_stride); break;
+      default: dot_group<1>(isa, w, group, k, o, out_stride); break;
     }
-#else
-    for (int64_t r = 0; r < std::min(kGroup, rows - m); ++r) {
-      const Rows one{group.q + r * k, group.scale + r * supers, group.bsum + r * blocks};
-      dot_row_scalar(w, one, k, o + r * out_stride);
-    }
-#endif
   }
 }
 
@@ -234,7 +323,8 @@ torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const 
   std::vector<int8_t> xq(rows * k);
   std::vector<float> xs(rows * (k / kSuper));
   std::vector<int16_t> bsums(rows * (k / kBlock));
-  quantize_rows(xf.data_ptr<float>(), rows, k, xq.data(), xs.data(), bsums.data());
+  const Isa isa = chosen_isa();
+  quantize_rows(xf.data_ptr<float>(), rows, k, isa == Isa::kAvx512, xq.data(), xs.data(), bsums.data());
   const Rows activations{xq.data(), xs.data(), bsums.data()};
   auto out = torch::empty({rows, n}, torch::kFloat32);
   float* o = out.data_ptr<float>();
@@ -244,7 +334,7 @@ torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const 
     for (int64_t j = begin; j < end; ++j) {
       const Q4K w{qc.data_ptr<uint8_t>() + j * (k / 2), dp + j * (k / kSuper), mp + j * (k / kSuper),
                   sc.data_ptr<uint8_t>() + j * (k / kBlock), mn.data_ptr<uint8_t>() + j * (k / kBlock)};
-      dot_rows(w, activations, rows, k, o + j, n);
+      dot_rows(isa, w, activations, rows, k, o + j, n);
     }
   });
   return out;

@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -106,6 +107,54 @@ void dot_group_avx2(const int8_t* w, const uint16_t* ws, const int8_t* x, const 
 }
 #endif
 
+#if SPECSERVE_AVX512
+// The AVX-512 VNNI form of dot_group_avx2, bit for bit: a 64-byte load holds blocks b and b + 1,
+// whose float accumulators are the low and high 256 bits of one register (the AVX2 code's even and
+// odd accumulators, in the same order). VNNI multiplies unsigned by signed bytes, so the activations
+// come offset by 128 (xu = x + 128, 1..255): _mm512_dpbusd_epi32(xu, w) - _mm512_dpbusd_epi32(128, w)
+// is each lane's exact sum of w * x over its four inputs, the correction shared by the rows.
+template <int G>
+SPECSERVE_AVX512_FN void dot_group_avx512(const int8_t* w, const uint16_t* ws, const uint8_t* xu, const float* sx, int64_t k,
+                      float* out, int64_t out_stride) {
+  const int64_t blocks = k / kBlock;
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i pair01 = _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(1), 1);
+  const __m512i pair23 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
+  __m512 acc[G];
+  for (int r = 0; r < G; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 4 <= blocks; b += 4) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 16) * kBlock), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 18) * kBlock), _MM_HINT_T0);
+    const __m128 sw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ws + b)));
+    const __m512i w01 = _mm512_loadu_si512(w + b * kBlock), w23 = _mm512_loadu_si512(w + (b + 2) * kBlock);
+    const __m512i c01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, w01);
+    const __m512i c23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, w23);
+#pragma GCC unroll 8
+    for (int r = 0; r < G; ++r) {
+      const __m512 sc = _mm512_castps128_ps512(_mm_mul_ps(sw, _mm_loadu_ps(sx + r * blocks + b)));
+      const uint8_t* xr = xu + r * k + b * kBlock;
+      const __m512i p01 = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xr), w01), c01);
+      const __m512i p23 = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xr + 64), w23), c23);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p01), _mm512_permutexvar_ps(pair01, sc), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p23), _mm512_permutexvar_ps(pair23, sc), acc[r]);
+    }
+  }
+  for (int r = 0; r < G; ++r) {
+    __m256 even = _mm512_castps512_ps256(acc[r]);
+    const __m256 odd = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
+    for (int64_t t = b; t < blocks; ++t) {  // the tail into the even accumulator, as dot_group_avx2
+      const __m256i wv = load32(w + t * kBlock);
+      const __m256i xv = _mm256_xor_si256(load32(reinterpret_cast<const int8_t*>(xu) + r * k + t * kBlock),
+                                          _mm256_set1_epi8(static_cast<char>(0x80)));
+      const float scale = half_to_float(ws[t]) * sx[r * blocks + t];
+      even = _mm256_fmadd_ps(block_dot(wv, xv), _mm256_set1_ps(scale), even);
+    }
+    out[r * out_stride] = lanes_sum(_mm256_add_ps(even, odd));
+  }
+}
+#endif
+
 // The same numbers without AVX2: each lane of each accumulator as the vector code has it.
 void dot_row_scalar(const int8_t* w, const uint16_t* ws, const int8_t* x, const float* sx, int64_t k, float* out) {
   const int64_t blocks = k / kBlock;
@@ -127,25 +176,40 @@ void dot_row_scalar(const int8_t* w, const uint16_t* ws, const int8_t* x, const 
   *out = specserve::lanes_sum8(l);
 }
 
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+Isa chosen_isa() {
+  return specserve::isa_is("avx512") ? Isa::kAvx512 : specserve::isa_is("avx2") ? Isa::kAvx2 : Isa::kScalar;
+}
+
+// Activations as each path reads them: int8, or (AVX-512) offset by 128 into uint8.
+template <int G>
+void dot_group(Isa isa, const int8_t* w, const uint16_t* ws, const int8_t* x, const float* sx, int64_t k,
+               float* out, int64_t out_stride) {
+#if SPECSERVE_AVX512
+  if (isa == Isa::kAvx512)
+    return dot_group_avx512<G>(w, ws, reinterpret_cast<const uint8_t*>(x), sx, k, out, out_stride);
+#endif
+#if SPECSERVE_AVX2
+  if (isa == Isa::kAvx2) return dot_group_avx2<G>(w, ws, x, sx, k, out, out_stride);
+#endif
+  for (int64_t r = 0; r < G; ++r) dot_row_scalar(w, ws, x + r * k, sx + r * (k / kBlock), k, out + r * out_stride);
+}
+
 // out[m, 0] for every activation row m and one weight row, rows in groups of kGroup.
-void dot_rows(const int8_t* w, const uint16_t* ws, const int8_t* xq, const float* xs, int64_t rows, int64_t k,
-              float* out, int64_t out_stride) {
+void dot_rows(Isa isa, const int8_t* w, const uint16_t* ws, const int8_t* xq, const float* xs, int64_t rows,
+              int64_t k, float* out, int64_t out_stride) {
   const int64_t blocks = k / kBlock;
   for (int64_t m = 0; m < rows; m += kGroup) {
     const int8_t* x = xq + m * k;
     const float* sx = xs + m * blocks;
     float* o = out + m * out_stride;
-#if SPECSERVE_AVX2
     switch (std::min(kGroup, rows - m)) {
-      case 4: dot_group_avx2<4>(w, ws, x, sx, k, o, out_stride); break;
-      case 3: dot_group_avx2<3>(w, ws, x, sx, k, o, out_stride); break;
-      case 2: dot_group_avx2<2>(w, ws, x, sx, k, o, out_stride); break;
-      default: dot_group_avx2<1>(w, ws, x, sx, k, o, out_stride); break;
+      case 4: dot_group<4>(isa, w, ws, x, sx, k, o, out_stride); break;
+      case 3: dot_group<3>(isa, w, ws, x, sx, k, o, out_stride); break;
+      case 2: dot_group<2>(isa, w, ws, x, sx, k, o, out_stride); break;
+      default: dot_group<1>(isa, w, ws, x, sx, k, o, out_stride); break;
     }
-#else
-    for (int64_t r = 0; r < std::min(kGroup, rows - m); ++r)
-      dot_row_scalar(w, ws, x + r * k, sx + r * blocks, k, o + r * out_stride);
-#endif
   }
 }
 
@@ -165,13 +229,16 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& weight, con
   std::vector<int8_t> xq(rows * k);
   std::vector<float> xs(rows * (k / kBlock));
   quantize_rows(xf.data_ptr<float>(), rows, k, xq.data(), xs.data());
+  const Isa isa = chosen_isa();
+  if (isa == Isa::kAvx512)  // x + 128 as uint8: flipping the sign bit
+    for (auto& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
   auto out = torch::empty({rows, n}, torch::kFloat32);
   float* o = out.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(ws.data_ptr<int16_t>());
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)
-      dot_rows(wp + j * k, sp + j * (k / kBlock), xq.data(), xs.data(), rows, k, o + j, n);
+      dot_rows(isa, wp + j * k, sp + j * (k / kBlock), xq.data(), xs.data(), rows, k, o + j, n);
   });
   return out;
 }

@@ -1,0 +1,81 @@
+"""Every vector path of our kernels (AVX-512 VNNI, AVX2, scalar) gives the same numbers, bit for bit.
+
+The engine takes the best path the CPU has; a pack served on an AVX2 host and on an AVX-512 host
+therefore decodes the same tokens, and a path that rounded differently would be a bug. Paths the
+CPU lacks are skipped (say which)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve_app.engine.kernels import kernels_module
+from serve_app.engine.quantized import Q4KWeight, Q8Weight
+from tests.engine.quantized_helpers import require_built_kernels
+
+require_built_kernels()
+
+PATHS = ("avx512", "avx2", "scalar")
+
+
+@pytest.fixture
+def kernels():
+    module = kernels_module()
+    yield module
+    module.force_isa("auto")
+
+
+def available(module) -> list[str]:
+    paths = []
+    for path in PATHS:
+        try:
+            module.force_isa(path)
+        except RuntimeError:
+            continue
+        paths.append(path)
+    module.force_isa("auto")
+    return paths
+
+
+def products_on_every_path(module, weight, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in available(module):
+        module.force_isa(path)
+        out[path] = weight.matmul(x)
+    return out
+
+
+# in_features: one super-block; the Qwen 1.5B widths; for q8 also block counts that leave a tail of
+# 1..3 blocks after the groups of four (50 and 51 blocks)
+@pytest.mark.parametrize("in_features", [256, 1536, 8960])
+def test_q4k_paths_agree(kernels, in_features: int) -> None:
+    torch.manual_seed(in_features)
+    weight = Q4KWeight.quantize(torch.randn(67, in_features) * 0.05)
+    x = torch.randn(9, in_features)  # 9 rows: groups of 4, 4 and 1
+    out = products_on_every_path(kernels, weight, x)
+    assert len(out) >= 2, f"only {list(out)} here"
+    reference = out["scalar"]
+    for path, result in out.items():
+        assert torch.equal(result, reference), path
+    # int8 activations: the error grows with the inputs summed
+    torch.testing.assert_close(reference, x @ weight.dequantize().T, rtol=0.05, atol=0.05 * (in_features / 256) ** 0.5)
+
+
+@pytest.mark.parametrize("in_features", [256, 1536, 1600, 1632, 8960])
+def test_q8_paths_agree(kernels, in_features: int) -> None:
+    torch.manual_seed(in_features)
+    dense = torch.randn(67, in_features) * 0.05
+    weight = Q8Weight.quantize(dense)
+    x = torch.randn(9, in_features)
+    out = products_on_every_path(kernels, weight, x)
+    assert len(out) >= 2, f"only {list(out)} here"
+    reference = out["scalar"]
+    for path, result in out.items():
+        assert torch.equal(result, reference), path
+    torch.testing.assert_close(reference, x @ dense.T, rtol=0.05, atol=0.05 * (in_features / 256) ** 0.5)
+
+
+def test_the_engine_takes_the_best_path_and_refuses_unknown_ones(kernels) -> None:
+    assert kernels.active_isa() == available(kernels)[0]
+    with pytest.raises(RuntimeError, match="unknown instruction set"):
+        kernels.force_isa("neon")
