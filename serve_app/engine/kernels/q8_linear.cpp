@@ -124,18 +124,20 @@ SPECSERVE_AVX512_FN void dot_group_avx512(const int8_t* w, const uint16_t* ws, c
   for (int r = 0; r < G; ++r) acc[r] = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 4 <= blocks; b += 4) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 16) * kBlock), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 18) * kBlock), _MM_HINT_T0);
+    // 64 blocks (2 KB) ahead, as the Q4_K kernel
+    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 64) * kBlock), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 66) * kBlock), _MM_HINT_T0);
     const __m128 sw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ws + b)));
     const __m512i w01 = _mm512_loadu_si512(w + b * kBlock), w23 = _mm512_loadu_si512(w + (b + 2) * kBlock);
-    const __m512i c01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, w01);
-    const __m512i c23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, w23);
+    // the correction as the sums' starting value: dpbusd(-128 sum w, xu, w) = sum w x
+    const __m512i c01 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, w01));
+    const __m512i c23 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, w23));
 #pragma GCC unroll 8
     for (int r = 0; r < G; ++r) {
       const __m512 sc = _mm512_castps128_ps512(_mm_mul_ps(sw, _mm_loadu_ps(sx + r * blocks + b)));
       const uint8_t* xr = xu + r * k + b * kBlock;
-      const __m512i p01 = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xr), w01), c01);
-      const __m512i p23 = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xr + 64), w23), c23);
+      const __m512i p01 = _mm512_dpbusd_epi32(c01, _mm512_loadu_si512(xr), w01);
+      const __m512i p23 = _mm512_dpbusd_epi32(c23, _mm512_loadu_si512(xr + 64), w23);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p01), _mm512_permutexvar_ps(pair01, sc), acc[r]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p23), _mm512_permutexvar_ps(pair23, sc), acc[r]);
     }
