@@ -47,8 +47,10 @@ class ModelSettings(_Section):
 
 
 class RuntimeSettings(_Section):
-    dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="Weight and activation dtype; bf16 uses the CPU's AMX units."
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="Activation (and dense weight) dtype. auto: float32 when the weights are q8 or gguf on a "
+        "CPU (our kernels take float32; bf16 costs conversions), else bfloat16 (AMX / AVX-512 BF16 units).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Device to run on; auto picks CUDA when present, else CPU."

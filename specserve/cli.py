@@ -150,7 +150,11 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 def runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="pack name, local HF folder or hub id (default: settings)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: settings (bfloat16)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        help="default: settings (auto: float32 for q8 / gguf weights on a CPU, else bfloat16)",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default: settings (auto)")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
 

@@ -104,7 +104,7 @@ def write_report(result: BenchResult, out: str) -> None:
 def run_bench(args: argparse.Namespace, settings: Settings) -> int:
     """`specserve bench`: run every method on every prompt (then the sweep and the cost curve, if
     asked for), print and write the results."""
-    from serve_app.engine.device import DTYPES
+    from serve_app.engine.device import DTYPES, resolve_dtype
 
     prompts = of_kinds(BENCH, args.kinds)
     if args.max_tokens < 2 or args.repeats < 1:
@@ -161,7 +161,8 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
         assistant = store.resolve(getattr(settings.model, role)) if ASSISTED in theirs and role else None
         pad = engine.tokenizer.pad_token_id
         pad = min(engine.eos_ids, default=0) if pad is None else pad
-        methods += transformers_methods(theirs, store.resolve(ref), assistant, DTYPES[rt.dtype],
+        dtype = DTYPES[resolve_dtype(rt.dtype, "dense", model.device)]
+        methods += transformers_methods(theirs, store.resolve(ref), assistant, dtype,
                                         model.device, n, pad)  # fmt: skip
     if LLAMA_CPP in names:
         import torch
@@ -182,7 +183,8 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
         draft_model = None if drafter is None else drafter.model
         cost_curve = measure_cost_curve(model, draft_model, repeats=max(5, args.repeats))
     result = BenchResult(
-        command=list(sys.argv), model=ref, dtype=rt.dtype, max_tokens=n, repeats=args.repeats,
+        command=list(sys.argv), model=ref, dtype=str(model.dtype).removeprefix("torch."), max_tokens=n,
+        repeats=args.repeats,
         methods=[m.name for m in methods], prompts=results, bytes_per_token=bytes_per_token(model),
         kv_bytes_per_position=kv_bytes_per_position(model), copy_bandwidth=bandwidth,
         machine={**machine_info(), "device": str(model.device)},

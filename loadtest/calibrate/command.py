@@ -52,7 +52,7 @@ def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
     from loadtest.calibrate.self_spec import calibrate_self_spec
     from loadtest.catalogue import CALIBRATION
     from serve_app.builder import model_store
-    from serve_app.engine.device import DTYPES, resolve_device, set_threads
+    from serve_app.engine.device import DTYPES, resolve_device, resolve_dtype, set_threads
     from serve_app.engine.model import DecoderModel
     from serve_app.engine.proposers.skip_plan import save_plan
 
@@ -62,7 +62,8 @@ def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
     name = settings.model.target
     path = model_store(settings).resolve(name)
     rt = settings.runtime
-    model = DecoderModel.from_pretrained(path, DTYPES[rt.dtype], resolve_device(rt.device))
+    dtype = resolve_dtype(rt.dtype, "dense", resolve_device(rt.device))
+    model = DecoderModel.from_pretrained(path, DTYPES[dtype], resolve_device(rt.device))
     tokenizer = AutoTokenizer.from_pretrained(path)
     chat = bool(getattr(tokenizer, "chat_template", None))
     prompts = []
@@ -77,7 +78,7 @@ def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
     def log(message: str) -> None:
         print(f"[calibrate] {message}", file=sys.stderr, flush=True)
 
-    log(f"{name} ({model.cfg.num_layers} layers, {rt.dtype}, {torch.get_num_threads()} threads): "
+    log(f"{name} ({model.cfg.num_layers} layers, {dtype}, {torch.get_num_threads()} threads): "
         f"{len(prompts)} prompts x {args.max_tokens} tokens, depth <= {args.max_depth}, "
         f"budget {args.budget_s:.0f} s")  # fmt: skip
     if getattr(args, "curve", None) is not None:

@@ -21,7 +21,7 @@ from policies import FittedCostModel, PolicyConfig, create_policy
 from serve_app.engine.block_file import resolve_weight_format
 from serve_app.engine.decoder_config import read_generation_eos
 from serve_app.engine.detokenizer import IncrementalDetokenizer
-from serve_app.engine.device import DTYPES, resolve_device
+from serve_app.engine.device import DTYPES, resolve_device, resolve_dtype
 from serve_app.engine.drafting import draft_rows, lookahead, planned_request
 from serve_app.engine.engine_config import COUPLED, EngineConfig
 from serve_app.engine.exactness import Exactness, make_exact
@@ -115,12 +115,14 @@ class SpecEngine:
         stats: StatsSink | None = None,
         model_pair: str = "",
     ) -> SpecEngine:
-        """Load a model folder (as resolved by the model store) with its tokenizer."""
+        """Load a model folder (as resolved by the model store) with its tokenizer; ``dtype`` may be
+        ``auto`` (``device.resolve_dtype``: float32 for quantized weights on a CPU)."""
         from transformers import AutoTokenizer
 
         config = config or EngineConfig()
         device = resolve_device(device)
         config = replace(config, weight_format=resolve_weight_format(config.weight_format, path, str(device)))
+        dtype = resolve_dtype(dtype, config.weight_format, device)
         model = DecoderModel.from_pretrained(path, DTYPES[dtype], device, weight_format=config.weight_format)
         tokenizer = AutoTokenizer.from_pretrained(path)
         cache = model.new_cache(config.max_slots, config.max_seq_len)
