@@ -18,8 +18,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
+from serve_app.engine.attention import grouped_attention
 from serve_app.engine.invariance import RowPlan, attention_agrees, probe_rows
-from serve_app.engine.model import ATTENTION, PRODUCTS, DecoderModel, _grouped_attention
+from serve_app.engine.model import ATTENTION, PRODUCTS, DecoderModel
 from serve_app.engine.weights import linear, product_kind
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def make_exact(model: DecoderModel) -> Exactness:
         layer.plans[ATTENTION] = attention
     exact = all(plan.invariant for plan in plans.values())
     for key_block in (1, KEY_BLOCK):
-        attend = partial(_grouped_attention, plan=attention, key_block=key_block)
+        attend = partial(grouped_attention, plan=attention, key_block=key_block)
         if attention_agrees(attend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device):
             break
     else:
@@ -79,7 +80,7 @@ def _attention_rows(model: DecoderModel, queries: object) -> object:  # [M, D] -
     generator = torch.Generator(device="cpu").manual_seed(99)
     keys, values = (torch.randn(1, 1, 100, model.cfg.head_dim, generator=generator).to(queries) for _ in "kv")
     q = queries[None, None]  # type: ignore[index]  # [1, 1, M, D]: one KV head, M query rows
-    return _grouped_attention(q, keys, values, None, model.cfg.head_dim**-0.5)[0, 0]
+    return grouped_attention(q, keys, values, None, model.cfg.head_dim**-0.5)[0, 0]
 
 
 @contextmanager

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from serve_app.engine.attention import grouped_attention
 from serve_app.engine.block_file import BLOCKS_FILE, read_blocks
 from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
@@ -58,53 +59,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 # flash kernel costs ~0.4 ms per call even for one query, i.e. ~11 ms per step on a 28-layer model.
 SMALL_QUERY = 64
 PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's matrix products
-ATTENTION = "attention"  # the plan of a layer's folded query rows (_grouped_attention)
-
-
-def _grouped_attention(
-    q: torch.Tensor,  # [B, H, T, D]
-    keys: torch.Tensor,  # [B, H_kv, S, D]
-    values: torch.Tensor,  # [B, H_kv, S, D]
-    mask: torch.Tensor | None,  # [B, 1, T, S] bool or None
-    scale: float,
-    plan: RowPlan | None = None,
-    key_block: int = 1,
-) -> torch.Tensor:
-    """Attention for few queries: the G = H / H_kv query heads sharing a KV head become rows.
-
-    Head h uses KV head h // G, so ``[B, H, T, D] -> [B, H_kv, G * T, D]`` puts head (kv, g),
-    token t at row g * T + t; the mask is tiled G times along its rows to match. For exactness
-    (``engine.invariance``) the G * T rows may be padded to a count of the ``plan`` (zero queries),
-    and the keys to a multiple of ``key_block`` (zero keys, masked): float32 products on some CPUs
-    round a score differently with another number of rows or of keys.
-    """
-    bsz, heads, steps, dim = q.shape
-    kv_heads, width = keys.shape[1], keys.shape[2]
-    group = heads // kv_heads
-    rows = group * steps
-    padded_rows = plan.padded(rows) if plan is not None else rows
-    padded_width = -(-width // key_block) * key_block
-    q = q.reshape(bsz, kv_heads, rows, dim)
-    if mask is not None:
-        mask = mask.repeat(1, 1, group, 1)  # [B, 1, G T, S]
-    if padded_width != width:
-        keys, values = (
-            torch.cat([t, t.new_zeros(bsz, kv_heads, padded_width - width, dim)], dim=2)
-            for t in (keys, values)
-        )
-        if mask is None:
-            mask = torch.ones(bsz, 1, rows, width, dtype=torch.bool, device=q.device)
-        mask = torch.cat([mask, mask.new_zeros(bsz, 1, rows, padded_width - width)], dim=-1)
-    if padded_rows != rows:
-        q = torch.cat([q, q.new_zeros(bsz, kv_heads, padded_rows - rows, dim)], dim=2)
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(bsz, 1, padded_rows - rows, mask.shape[-1])], dim=2)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, H_kv, rows, S]
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    probs = scores.softmax(dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values)  # [B, H_kv, rows, D]
-    return out[:, :, :rows].reshape(bsz, heads, steps, dim)  # [B, H, T, D]
+ATTENTION = "attention"  # the plan of a layer's folded query rows (attention.grouped_attention)
 
 
 @dataclass(frozen=True)
@@ -177,10 +132,14 @@ class DecoderLayer:
         v = v.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         cache.write(index, batch, k, v)
-        keys, values = cache.read(index, batch)  # [B, H_kv, S, D]
         if steps <= SMALL_QUERY:
-            attn = _grouped_attention(q, keys, values, mask, self.scale, plans[ATTENTION], self.key_block)
+            # the keys' padding (a multiple of key_block) read from the cache itself, no copy
+            padded = min(-(-batch.upto // self.key_block) * self.key_block, cache.max_seq_len)
+            keys, values = cache.read(index, batch, padded)  # [B, H_kv, S', D]
+            attn = grouped_attention(q, keys, values, mask, self.scale, plans[ATTENTION], self.key_block,
+                                      batch.upto)  # fmt: skip
         else:
+            keys, values = cache.read(index, batch)  # [B, H_kv, S, D]
             attn = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
                 enable_gqa=cfg.num_heads != cfg.num_kv_heads,

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from serve_app.engine.attention import grouped_attention
 from serve_app.engine.exactness import make_exact
 from serve_app.engine.invariance import PROBE_ROWS, RowPlan, attention_agrees, probe_rows
-from serve_app.engine.model import DecoderModel, _grouped_attention
+from serve_app.engine.model import DecoderModel
 from serve_app.engine.weights import linear
 from tests.conftest import make_tiny_hf_model
 
@@ -67,7 +68,7 @@ def test_attention_rows_do_not_depend_on_queries_or_padding_keys_once_padded(dty
     plan = model.layers[0].plans["attention"]
 
     def attend(*args):
-        return _grouped_attention(*args, plan=plan, key_block=found.key_block)
+        return grouped_attention(*args, plan=plan, key_block=found.key_block)
 
     assert attention_agrees(attend, 4, 2, 16, dtype, torch.device("cpu"))
 

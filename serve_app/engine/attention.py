@@ -1,0 +1,61 @@
+"""Attention over the KV cache for few queries (decode, verification), exact in the rows."""
+
+from __future__ import annotations
+
+import torch
+
+from serve_app.engine.invariance import RowPlan
+
+
+def grouped_attention(
+    q: torch.Tensor,  # [B, H, T, D]
+    keys: torch.Tensor,  # [B, H_kv, S', D], S' >= S
+    values: torch.Tensor,  # [B, H_kv, S', D]
+    mask: torch.Tensor | None,  # [B, 1, T, S] bool or None
+    scale: float,
+    plan: RowPlan | None = None,
+    key_block: int = 1,
+    width: int | None = None,  # S, the keys that exist (default: all S' given)
+) -> torch.Tensor:
+    """Attention for few queries: the G = H / H_kv query heads sharing a KV head become rows.
+
+    Head h uses KV head h // G, so ``[B, H, T, D] -> [B, H_kv, G * T, D]`` puts head (kv, g),
+    token t at row g * T + t; the mask is tiled G times along its rows to match. For exactness
+    (``engine.invariance``) the G * T rows may be padded to a count of the ``plan`` (zero queries),
+    and the keys to a multiple of ``key_block`` (masked): float32 products on some CPUs round a
+    score differently with another number of rows or of keys. Keys beyond ``width`` that the caller
+    passes (the cache's next rows: finite, as it is zero-filled) serve as that padding without a
+    copy; masked keys get probability exactly 0, so their values never count.
+    """
+    bsz, heads, steps, dim = q.shape
+    kv_heads = keys.shape[1]
+    width = keys.shape[2] if width is None else width
+    group = heads // kv_heads
+    rows = group * steps
+    padded_rows = plan.padded(rows) if plan is not None else rows
+    padded_width = -(-width // key_block) * key_block
+    q = q.reshape(bsz, kv_heads, rows, dim)
+    if mask is not None:
+        mask = mask.repeat(1, 1, group, 1)  # [B, 1, G T, S]
+    if keys.shape[2] >= padded_width:
+        keys, values = keys[:, :, :padded_width], values[:, :, :padded_width]
+    else:
+        keys, values = (
+            torch.cat([t, t.new_zeros(bsz, kv_heads, padded_width - t.shape[2], dim)], dim=2)
+            for t in (keys, values)
+        )
+    if padded_width != width:
+        if mask is None:  # [1, 1, 1, S'] broadcast over rows: the keys that exist
+            mask = (torch.arange(padded_width, device=q.device) < width).view(1, 1, 1, padded_width)
+        else:
+            mask = torch.cat([mask, mask.new_zeros(bsz, 1, rows, padded_width - width)], dim=-1)
+    if padded_rows != rows:
+        q = torch.cat([q, q.new_zeros(bsz, kv_heads, padded_rows - rows, dim)], dim=2)
+        if mask is not None and mask.shape[2] != 1:
+            mask = torch.cat([mask, mask.new_ones(bsz, 1, padded_rows - rows, mask.shape[-1])], dim=2)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, H_kv, rows, S]
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # [B, H_kv, rows, D]
+    return out[:, :, :rows].reshape(bsz, heads, steps, dim)  # [B, H, T, D]
