@@ -1,7 +1,8 @@
 """AsyncEngine: a SpecEngine behind an asyncio interface, in one process (no Ray here).
 
 The engine is single-threaded torch code; an asyncio server must never run it on its event loop.
-``AsyncEngine`` owns one dedicated **loop thread** that is the only code touching the engine:
+``AsyncEngine`` owns one dedicated **loop thread** that is the only code touching the engine (and
+builds it, given a function: see ``_run``):
 
 - ``generate()`` (an async generator, any event loop) puts an *add* command on a thread-safe queue
   and waits on an ``asyncio.Queue`` of its own. The loop thread tokenizes the request (chat
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 
 STUCK_AFTER_S = 120.0  # one loop iteration running longer than this means the loop is stuck
 MAX_CONSECUTIVE_FAILURES = 3  # failing steps in a row after which the engine reports unhealthy
+LOOP_THREAD = "specserve-engine-loop"
 
 
 class AsyncEngine:
@@ -71,7 +73,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: SpecEngine,
+        engine: SpecEngine | Callable[[], SpecEngine],  # or a function building it on the loop thread
         *,
         model_name: str,
         max_tokens_limit: int = 2048,
@@ -81,7 +83,8 @@ class AsyncEngine:
         stuck_after_s: float = STUCK_AFTER_S,
         threads: int | None = None,
     ) -> None:
-        self.engine = engine
+        build = engine if callable(engine) else None
+        self.engine: SpecEngine = None if build else engine  # type: ignore[assignment]
         self.model_name = model_name
         self.max_tokens_limit = max_tokens_limit
         self.request_timeout_s = request_timeout_s
@@ -98,16 +101,18 @@ class AsyncEngine:
         self._stopping = False
         self.on_shutdown: list[Callable[[], None]] = []  # closed after the loop stops (stats, ...)
         self._streams: dict[str, RequestStream] = {}  # loop thread only
-        # Published by the loop thread, read by anyone.
-        self._busy_since: float | None = None  # monotonic start of the running loop iteration
-        self._consecutive_failures = 0
-        self.steps = 0
-        self.step_failures = 0
+        # Published by the loop thread, read by anyone: the running iteration's monotonic start, counts.
+        self._busy_since: float | None = None
+        self.steps = self.step_failures = self._consecutive_failures = 0
         self.aborts = 0  # requests aborted before they finished (consumer gone, time-out)
         self._load = (0, 0)  # (running, waiting)
         self._dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="specserve-engine-loop", daemon=True)
+        self._built = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(build,), name=LOOP_THREAD, daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._dead is not None:  # the build failed: say why, here
+            raise self._dead
 
     # ------------------------------------------------------------------------------ EngineClient
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -207,11 +212,21 @@ class AsyncEngine:
         return unavailable_error(f"the engine loop is not running ({reason}); retry on another replica")
 
     # ------------------------------------------------------------------------------ loop thread
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], SpecEngine] | None) -> None:
+        # All torch work on this one thread. OpenMP keeps a worker pool per thread that starts parallel
+        # regions; with two pools on two cores libgomp stops spinning and a small parallel op waits
+        # ~70 us to wake its workers (a replica built elsewhere decoded at 0.67x of in-process).
         if self._threads:
             from serve_app.engine.device import set_threads
 
             set_threads(self._threads)
+        try:
+            self.engine = build() if build is not None else self.engine
+        except BaseException as exc:
+            self._dead = exc
+            return
+        finally:
+            self._built.set()
         try:
             while True:
                 with self._wake:
@@ -280,6 +295,8 @@ class AsyncEngine:
         self._request_finished(stream, None, "abort")
 
     def _step(self) -> None:
+        from serve_app.observability.metrics import StepOutcome
+
         before = [r.request_id for r in self.engine.scheduler.running]
         try:
             outputs = self.engine.step()
@@ -303,7 +320,7 @@ class AsyncEngine:
                 stream.first_output = now
                 prefill_tokens += len(output.new_token_ids)
             elif self.metrics is not None:
-                outcomes.append(_step_outcome(output))
+                outcomes.append(StepOutcome.of(output))
             if output.finished:
                 del self._streams[output.request_id]
                 self._request_finished(stream, output, output.finish_reason or "stop", now)
@@ -346,11 +363,8 @@ class AsyncEngine:
     ) -> None:
         if self.metrics is None:
             return
-        now = now if now is not None else time.perf_counter()
-        first = stream.first_output
         completion = output.completion_tokens if output is not None else 0
-        ttft = (first - stream.arrival) if first is not None else None
-        tpot = (now - first) / (completion - 1) if first is not None and completion > 1 else None
+        ttft, tpot = stream.latencies(completion, now if now is not None else time.perf_counter())
         try:
             self.metrics.on_request_finished(
                 ttft_s=ttft,
@@ -384,15 +398,3 @@ class AsyncEngine:
                 break
             if kind == "add":
                 payload.deliver(error)
-
-
-def _step_outcome(output: RequestOutput) -> Any:
-    from serve_app.observability.metrics import StepOutcome
-
-    return StepOutcome(
-        proposer=output.step_proposer,
-        depth=output.step_drafted,
-        drafted=output.step_drafted,
-        accepted=output.step_accepted,
-        emitted=len(output.new_token_ids),
-    )

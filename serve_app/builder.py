@@ -167,22 +167,30 @@ def build_async_engine(settings: Settings, metrics_backend: str = "ray", tracer:
     from serve_app.observability.shared_stats import EngineStatsSink, SharedStats
 
     threads = replica_threads(settings)
-    set_threads(threads)
     stats = SharedStats(settings.stats, replica_id=f"{socket.gethostname()}-{os.getpid()}")
     stats.start()
-    engine = build_engine(settings, stats=EngineStatsSink(stats))
-    if settings.speculation.profile_cost_model and policy_uses_cost_model(settings.speculation.policy):
-        pair = model_pair(settings, engine.config.spec_method)
-        share_cost_model(engine, stats, pair, threads, settings.store.cache_dir)
+
+    def build() -> SpecEngine:  # on the engine's loop thread: all of a replica's torch work there
+        set_threads(threads)
+        engine = build_engine(settings, stats=EngineStatsSink(stats))
+        if settings.speculation.profile_cost_model and policy_uses_cost_model(settings.speculation.policy):
+            pair = model_pair(settings, engine.config.spec_method)
+            share_cost_model(engine, stats, pair, threads, settings.store.cache_dir)
+        return engine
+
     name = served_model_name(settings)
-    instance = AsyncEngine(
-        engine,
-        model_name=name,
-        max_tokens_limit=settings.server.max_tokens_limit,
-        request_timeout_s=settings.server.request_timeout_s,
-        metrics=EngineMetrics(name, backend=metrics_backend),
-        tracer=tracer,
-        threads=threads,
-    )
+    try:
+        instance = AsyncEngine(
+            build,
+            model_name=name,
+            max_tokens_limit=settings.server.max_tokens_limit,
+            request_timeout_s=settings.server.request_timeout_s,
+            metrics=EngineMetrics(name, backend=metrics_backend),
+            tracer=tracer,
+            threads=threads,
+        )
+    except BaseException:  # the build failed: nothing else will close the statistics
+        stats.close()
+        raise
     instance.on_shutdown.append(stats.close)
     return instance

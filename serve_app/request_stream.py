@@ -44,6 +44,14 @@ class RequestStream:
     first_output: float | None = None  # loop thread: when the first output was made
     cancelled: bool = False  # consumer: gone; the loop thread skips or aborts it
 
+    def latencies(self, completion_tokens: int, now: float) -> tuple[float | None, float | None]:
+        """(time to first token, time per output token after it) in seconds, where known."""
+        first = self.first_output
+        if first is None:
+            return None, None
+        per_token = (now - first) / (completion_tokens - 1) if completion_tokens > 1 else None
+        return first - self.arrival, per_token
+
     def deliver(self, item: StepOutput | GenerateError) -> None:
         """Hand an item to the consumer's event loop (any thread)."""
         try:

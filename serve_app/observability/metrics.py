@@ -154,6 +154,12 @@ class StepOutcome:
     accepted: int
     emitted: int
 
+    @classmethod
+    def of(cls, output: Any) -> StepOutcome:
+        """From a ``RequestOutput`` of the step."""
+        drafted = output.step_drafted
+        return cls(output.step_proposer, drafted, drafted, output.step_accepted, len(output.new_token_ids))
+
 
 # --- backends -------------------------------------------------------------------------------------
 

@@ -334,3 +334,26 @@ def test_spans_continue_the_callers_trace(make_async) -> None:
     (queue,) = [s for s in exporter.get_finished_spans() if s.name == "queue"]
     assert queue.status.status_code == trace.StatusCode.ERROR
     provider.shutdown()
+
+
+def test_a_build_function_runs_on_the_loop_thread_and_its_error_is_raised(target_hf, tiny_tokenizer) -> None:
+    """All of a replica's torch work on one thread (one OpenMP pool): the engine is built there."""
+    built_on: list[str] = []
+
+    def build() -> SpecEngine:
+        built_on.append(threading.current_thread().name)
+        return make_engine(target_hf, tiny_tokenizer)
+
+    engine = AsyncEngine(build, model_name="tiny", max_tokens_limit=64)
+    try:
+        chunks = asyncio.run(collect(engine, request("built-here", PROMPTS[0])))
+        assert chunks[-1].finished and chunks[-1].error is None
+        assert built_on == [engine._thread.name]
+    finally:
+        engine.shutdown()
+
+    def broken() -> SpecEngine:
+        raise ValueError("no such model: nowhere")
+
+    with pytest.raises(ValueError, match="nowhere"):
+        AsyncEngine(broken, model_name="tiny")

@@ -10,8 +10,12 @@ torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const 
                          const torch::Tensor& dmin, const torch::Tensor& scales, const torch::Tensor& mins);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q8_linear", &q8_linear, "x @ dequant(Q8 weight).T with int8 activations (exact in the rows)");
-  m.def("q4k_linear", &q4k_linear, "x @ dequant(Q4_K weight).T with int8 activations (exact in the rows)");
+  // The products release the GIL, as torch's own ops do: a server's other Python threads (its event
+  // loop, the streaming of tokens) run meanwhile instead of stalling the engine thread for the GIL.
+  m.def("q8_linear", &q8_linear, "x @ dequant(Q8 weight).T with int8 activations (exact in the rows)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q4k_linear", &q4k_linear, "x @ dequant(Q4_K weight).T with int8 activations (exact in the rows)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("vectorized", [] { return static_cast<bool>(SPECSERVE_AVX2); }, "whether the AVX2 kernels were compiled in");
   m.def("active_isa", [] { return std::string(specserve::active_isa()); },
         "the vector code the products run: avx512, avx2 or scalar");
