@@ -2,7 +2,10 @@
 pack was converted from, greedy, one request at a time, with the benchmark's thread count.
 
 Present only where ``llama-cpp-python`` is installed (``pip install llama-cpp-python``; it builds
-llama.cpp for this CPU); otherwise the method is skipped with a message. The prompt is fed as our
+llama.cpp for this CPU); otherwise the method is skipped with a message. On a VM that lists AMX in
+its CPU flags without letting processes use the tiles (this workplace's Sapphire Rapids slices), a
+``GGML_NATIVE`` build dies in its AMX kernel (``ldtilecfg``, a general protection fault); build it
+with AMX off (BENCHMARKS.md, tenth session, gives the flags). The prompt is fed as our
 token ids (the GGUF carries the same vocabulary), so both engines see the same prompt; EOS does
 not stop it, as it does not stop our methods.
 """
