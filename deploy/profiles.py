@@ -51,10 +51,11 @@ _LINUX = {"kubernetes.io/os": "linux"}
 PROFILES: dict[str, ClusterProfile] = {
     "cpu": ClusterProfile(
         name="cpu",
-        description="the Qwen pair on CPU nodes (x86 with AMX for bf16), as `make serve` runs it",
+        description="the Qwen pair on CPU nodes (x86, AVX2 or AVX-512 VNNI), as `make serve` runs it",
         image_tag_suffix="",
         head=PodSize(cpu="2", memory="4Gi"),
-        # the 1.5B target (bf16) + 0.5B draft (int8) + KV cache of 8 slots x 4096 tokens, with room
+        # the Qwen pair on their GGUF blocks with float32 activations, embeddings and KV cache of
+        # 8 slots x 4096 tokens: a replica measured 6.4 GB resident; room to spare
         worker_memory="12Gi",
         # converting the 1.5B pack peaks near 9 GB (README, "Model packs")
         fetch=PodSize(cpu="2", memory="12Gi"),
