@@ -18,10 +18,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
+import torch
+
 from serve_app.engine.attention import grouped_attention
 from serve_app.engine.invariance import RowPlan, attention_agrees, probe_rows
 from serve_app.engine.model import ATTENTION, PRODUCTS, DecoderModel
-from serve_app.engine.weights import linear, product_kind
+from serve_app.engine.weights import Weight, linear, product_kind
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +45,35 @@ class Exactness:
 
 def make_exact(model: DecoderModel) -> Exactness:
     """Probe and set ``model``'s row plans and key padding (see the module docstring)."""
-    plans: dict[str, RowPlan] = {}
+    probed: dict[str, RowPlan] = {}
+    plans: dict[str, RowPlan] = {}  # the kinds the model runs after any fallback
 
     def plan_of(kind: str, probe: object, in_features: int) -> RowPlan:
-        if kind not in plans:
-            plans[kind] = probe_rows(probe, in_features, model.dtype, model.device)  # type: ignore[arg-type]
-        return plans[kind]
+        if kind not in probed:
+            probed[kind] = probe_rows(probe, in_features, model.dtype, model.device)  # type: ignore[arg-type]
+        plans[kind] = probed[kind]
+        return probed[kind]
+
+    def exact_weight(weight: Weight) -> tuple[Weight, RowPlan]:
+        plan = plan_of(product_kind(weight), partial(linear, weight=weight), weight.shape[1])
+        if plan.invariant or not (isinstance(weight, torch.Tensor) and weight.is_mkldnn):
+            return weight, plan
+        # oneDNN's blocking for this shape changes with the row count beyond what padding mends
+        # (measured: bf16 1536x8960 on an AVX-512 Xeon disagrees at 12..23 rows); the plain tensor's
+        # kernel may not. The unpacked copy is the same values, so only the kind's speed changes.
+        del plans[product_kind(weight)]
+        dense = weight.to_dense()
+        log.info("exactness: %s is not row-invariant prepacked; running it unpacked", product_kind(weight))
+        return dense, plan_of(product_kind(dense), partial(linear, weight=dense), dense.shape[1])
 
     for layer in model.layers:
         for name in PRODUCTS:
-            weight = getattr(layer, name)
-            layer.plans[name] = plan_of(product_kind(weight), partial(linear, weight=weight), weight.shape[1])
-    head = model.lm_head
-    model.head_plan = plan_of(product_kind(head), partial(linear, weight=head), head.shape[1])
+            weight, layer.plans[name] = exact_weight(getattr(layer, name))
+            setattr(layer, name, weight)
+    if model.lm_head is not model.embed:
+        model.lm_head, model.head_plan = exact_weight(model.lm_head)
+    else:
+        model.head_plan = exact_weight(model.lm_head)[1]
     cfg = model.cfg
     kind = f"attention {str(model.dtype).removeprefix('torch.')} d{cfg.head_dim}"
     attention = plan_of(kind, partial(_attention_rows, model), cfg.head_dim)
@@ -75,7 +93,6 @@ def make_exact(model: DecoderModel) -> Exactness:
 
 def _attention_rows(model: DecoderModel, queries: object) -> object:  # [M, D] -> [M, D]
     """Attention of ``M`` folded query rows over fixed keys: what the row probe runs."""
-    import torch
 
     generator = torch.Generator(device="cpu").manual_seed(99)
     keys, values = (torch.randn(1, 1, 100, model.cfg.head_dim, generator=generator).to(queries) for _ in "kv")

@@ -99,3 +99,31 @@ def test_suspended_runs_without_the_plans_and_restores_them() -> None:
         assert model.layers[0].key_block == 1
     assert (dict(model.layers[0].plans), model.layers[0].key_block, model.head_plan) == before
     assert found.key_block == before[1]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN here")
+def test_a_prepacked_kind_that_cannot_be_made_invariant_runs_unpacked(monkeypatch) -> None:
+    """Measured on an AVX-512 Xeon: oneDNN's bf16 1536x8960 disagrees at 12..23 rows, which no
+    padding mends; the plain tensor's kernel agrees from 2. Here the probe is told so for the one
+    prepacked matrix, and make_exact must fall back to its unpacked copy and stay exact."""
+    import serve_app.engine.exactness as exactness
+
+    model = DecoderModel.from_hf_model(make_tiny_hf_model(300, layers=1))
+    layer = model.layers[0]
+    dense = layer.down
+    layer.down = torch.ops.mkldnn._reorder_linear_weight(dense, 1)
+    real_probe = exactness.probe_rows
+
+    def probe(product, in_features, dtype, device):
+        plan = real_probe(product, in_features, dtype, device)
+        prepacked = (
+            getattr(product.keywords.get("weight"), "is_mkldnn", False)
+            if hasattr(product, "keywords")
+            else False
+        )
+        return RowPlan(plan.agreeing, None) if prepacked else plan
+
+    monkeypatch.setattr(exactness, "probe_rows", probe)
+    found = make_exact(model)
+    assert not layer.down.is_mkldnn and torch.equal(layer.down, dense)
+    assert found.exact and not any(kind.startswith("prepacked") for kind in found.plans)
