@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from serve_app.engine.weights import QUANTIZED_FORMATS
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 AUTO_DTYPE = "auto"
-QUANTIZED_FORMATS = ("q8", "gguf")  # weight formats whose products run in our kernels
 
 
 def resolve_dtype(requested: str, weight_format: str, device: str | torch.device = "cpu") -> str:

@@ -63,7 +63,8 @@ def make_exact(model: DecoderModel) -> Exactness:
         # kernel may not. The unpacked copy is the same values, so only the kind's speed changes.
         del plans[product_kind(weight)]
         dense = weight.to_dense()
-        log.info("exactness: %s is not row-invariant prepacked; running it unpacked", product_kind(weight))
+        if product_kind(dense) not in probed:  # once per kind, not per layer
+            log.info("exactness: %s is not row-invariant; running it unpacked", product_kind(weight))
         return dense, plan_of(product_kind(dense), partial(linear, weight=dense), dense.shape[1])
 
     for layer in model.layers:

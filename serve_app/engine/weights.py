@@ -21,6 +21,7 @@ Weight = torch.Tensor | QuantizedWeight
 # blocks as they are ("gguf": Q4_K as Q4KWeight, Q8_0 / Q5_0 / Q4_0 as Q8Weight, others re-quantized
 # to Q8Weight; packs.gguf_blocks).
 WEIGHT_FORMATS = ("dense", "q8", "gguf")
+QUANTIZED_FORMATS = ("q8", "gguf")  # the formats whose products run in our kernels
 
 
 # Below this many elements a float32 product is too short for oneDNN's per-call overhead to pay.

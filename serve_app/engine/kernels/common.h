@@ -23,12 +23,13 @@
 
 namespace specserve {
 
-// Which vector code the products run: "avx512" (AVX-512 VNNI), "avx2" or "scalar". Every path
-// forms the same integer lanes and the same float steps, so they agree bit for bit; the choice is
-// the best the CPU has unless force_isa (tests, benchmarks) narrowed it.
-const char* active_isa();
+// Which vector code the products run. Every path forms the same integer lanes and the same float
+// steps, so they agree bit for bit; the choice is the best the CPU has unless force_isa (tests,
+// benchmarks) narrowed it.
+enum class Isa { kScalar, kAvx2, kAvx512 };
+Isa isa();
+const char* active_isa();          // "avx512" (AVX-512 VNNI), "avx2" or "scalar"
 void force_isa(const char* name);  // "auto", "avx512", "avx2" or "scalar"; throws if unavailable
-bool isa_is(const char* name);
 
 inline float half_to_float(uint16_t h) {
 #if SPECSERVE_AVX2

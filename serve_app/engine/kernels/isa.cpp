@@ -2,55 +2,48 @@
 #include <torch/extension.h>
 
 #include <cstring>
-#include <string>
 
 #include "common.h"
 
 namespace specserve {
 namespace {
 
-const char* best_isa() {
+constexpr const char* kNames[] = {"scalar", "avx2", "avx512"};
+
+Isa best_isa() {
 #if SPECSERVE_AVX512
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-    return "avx512";
+    return Isa::kAvx512;
 #endif
-#if SPECSERVE_AVX2
-  return "avx2";
-#else
-  return "scalar";
-#endif
+  return SPECSERVE_AVX2 ? Isa::kAvx2 : Isa::kScalar;
 }
 
-const char*& current() {
-  static const char* isa = best_isa();
-  return isa;
-}
-
-int rank(const char* name) {
-  if (std::strcmp(name, "avx512") == 0) return 2;
-  if (std::strcmp(name, "avx2") == 0) return 1;
-  if (std::strcmp(name, "scalar") == 0) return 0;
-  return -1;
+Isa& current() {
+  static Isa chosen = best_isa();
+  return chosen;
 }
 
 }  // namespace
 
-const char* active_isa() { return current(); }
+Isa isa() { return current(); }
 
-bool isa_is(const char* name) { return std::strcmp(current(), name) == 0; }
+const char* active_isa() { return kNames[static_cast<int>(current())]; }
 
 void force_isa(const char* name) {
-  const char* best = best_isa();
+  const Isa best = best_isa();
   if (std::strcmp(name, "auto") == 0) {
     current() = best;
     return;
   }
-  const int wanted = rank(name);
+  int wanted = -1;
+  for (int i = 0; i < 3; ++i)
+    if (std::strcmp(name, kNames[i]) == 0) wanted = i;
   TORCH_CHECK(wanted >= 0, "kernels: unknown instruction set '", name, "' (auto, avx512, avx2, scalar)");
-  TORCH_CHECK(wanted <= rank(best), "kernels: this CPU or build has no ", name, " path (best: ", best, ")");
-  current() = wanted == 2 ? "avx512" : wanted == 1 ? "avx2" : "scalar";
+  TORCH_CHECK(wanted <= static_cast<int>(best), "kernels: this CPU or build has no ", name, " path (best: ",
+              kNames[static_cast<int>(best)], ")");
+  current() = static_cast<Isa>(wanted);
 }
 
 }  // namespace specserve

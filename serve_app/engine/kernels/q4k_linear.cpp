@@ -35,6 +35,7 @@
 namespace {
 
 using specserve::half_to_float;
+using specserve::Isa;
 constexpr int64_t kSuper = 256;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kBlocks = kSuper / kBlock;  // blocks per super-block
@@ -266,12 +267,6 @@ void dot_row_scalar(const Q4K& w, const Rows& x, int64_t k, float* out) {
 
 constexpr int64_t kGroup = 4;  // activation rows sharing each unpacked weight block
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
-
-Isa chosen_isa() {
-  return specserve::isa_is("avx512") ? Isa::kAvx512 : specserve::isa_is("avx2") ? Isa::kAvx2 : Isa::kScalar;
-}
-
 template <int G>
 void dot_group(Isa isa, const Q4K& w, const Rows& x, int64_t k, float* out, int64_t out_stride) {
 #if SPECSERVE_AVX512
@@ -329,7 +324,7 @@ torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const 
   std::vector<int8_t> xq(rows * k);
   std::vector<float> xs(rows * (k / kSuper));
   std::vector<int16_t> bsums(rows * (k / kBlock));
-  const Isa isa = chosen_isa();
+  const Isa isa = specserve::isa();
   quantize_rows(xf.data_ptr<float>(), rows, k, isa == Isa::kAvx512, xq.data(), xs.data(), bsums.data());
   const Rows activations{xq.data(), xs.data(), bsums.data()};
   auto out = torch::empty({rows, n}, torch::kFloat32);

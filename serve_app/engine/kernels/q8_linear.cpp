@@ -28,6 +28,7 @@
 namespace {
 
 using specserve::half_to_float;
+using specserve::Isa;
 constexpr int64_t kBlock = 32;
 
 // Per row and block: q = round(x / s) in [-127, 127], s = max|x| / 127 (0 for an all-zero block).
@@ -178,12 +179,6 @@ void dot_row_scalar(const int8_t* w, const uint16_t* ws, const int8_t* x, const 
   *out = specserve::lanes_sum8(l);
 }
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
-
-Isa chosen_isa() {
-  return specserve::isa_is("avx512") ? Isa::kAvx512 : specserve::isa_is("avx2") ? Isa::kAvx2 : Isa::kScalar;
-}
-
 // Activations as each path reads them: int8, or (AVX-512) offset by 128 into uint8.
 template <int G>
 void dot_group(Isa isa, const int8_t* w, const uint16_t* ws, const int8_t* x, const float* sx, int64_t k,
@@ -231,7 +226,7 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& weight, con
   std::vector<int8_t> xq(rows * k);
   std::vector<float> xs(rows * (k / kBlock));
   quantize_rows(xf.data_ptr<float>(), rows, k, xq.data(), xs.data());
-  const Isa isa = chosen_isa();
+  const Isa isa = specserve::isa();
   if (isa == Isa::kAvx512)  // x + 128 as uint8: flipping the sign bit
     for (auto& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
   auto out = torch::empty({rows, n}, torch::kFloat32);
