@@ -312,6 +312,7 @@ class SpecEngine:
             prompt_tokens=len(request.prompt_ids),
             completion_tokens=len(request.output_ids),
             spec_stats=request.spec_stats if request.finished else None,
+            scheduled_time=request.scheduled_time,
         )
 
     def _release(self, request: Request) -> None:

@@ -61,6 +61,11 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
+    @property
+    def usage(self) -> float:
+        """Rows held by running requests / rows allocated (0..1): vLLM's KV-cache usage."""
+        return sum(self.lengths) / (self.num_slots * self.max_seq_len)
+
     def allocate(self, slot: int | None = None) -> int:
         """Take a free slot (length 0): any, or the given one (to mirror another model's cache)."""
         if not self._free:

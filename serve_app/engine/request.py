@@ -92,6 +92,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None  # when it got its KV slot (the end of its queueing)
     first_token_time: float | None = None
     finish_time: float | None = None
     aborted: bool = False
@@ -135,6 +136,7 @@ class RequestOutput:
     step_proposer: str | None = None  # this step's speculation for the request (None = plain)
     step_drafted: int = 0  # draft tokens verified this step
     step_accepted: int = 0  # of which accepted
+    scheduled_time: float | None = None  # time.perf_counter() when the request got its KV slot
 
 
 @dataclass(frozen=True)

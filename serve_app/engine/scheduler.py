@@ -8,6 +8,7 @@ so that overload is refused at once rather than answered by a time-out.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ class Scheduler:
             request = self.waiting.popleft()
             request.slot = self.cache.allocate()
             request.status = RequestStatus.RUNNING
+            request.scheduled_time = time.perf_counter()
             prefill.append(request)
             self.running.append(request)
         return StepPlan(prefill=prefill, decode=decode)
