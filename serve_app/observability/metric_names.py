@@ -136,19 +136,30 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(PROMPT_TOKENS, "counter", "Prompt tokens of finished requests."),
     MetricSpec(GENERATION_TOKENS, "counter", "Tokens generated (emitted to clients)."),
     MetricSpec(
-        REQUEST_SUCCESS, "counter", "Finished requests by finished reason.", (*ENGINE_LABELS, "finished_reason")
+        REQUEST_SUCCESS,
+        "counter",
+        "Finished requests by finished reason.",
+        (*ENGINE_LABELS, "finished_reason"),
     ),
     _latency(TTFT, "Time to first token in seconds (arrival at the replica to the first token)."),
-    _latency(ITL, "Inter-token latency in seconds, one sample per token after the first.", TOKEN_LATENCY_BUCKETS),
+    _latency(
+        ITL, "Inter-token latency in seconds, one sample per token after the first.", TOKEN_LATENCY_BUCKETS
+    ),
     _latency(TPOT, "Mean time per output token of a finished request, in seconds.", TOKEN_LATENCY_BUCKETS),
     _latency(E2E, "End-to-end request latency in the replica, in seconds."),
     _latency(QUEUE_TIME, "Time a request waited for a KV slot, in seconds."),
     _latency(PREFILL_TIME, "Time from a KV slot to the first token, in seconds."),
     _latency(DECODE_TIME, "Time from the first token to the last, in seconds."),
     _latency(INFERENCE_TIME, "Time from a KV slot to the last token, in seconds."),
-    MetricSpec(REQUEST_PROMPT_TOKENS, "histogram", "Prompt tokens per request.", ENGINE_LABELS, TOKEN_COUNT_BUCKETS),
     MetricSpec(
-        REQUEST_GENERATION_TOKENS, "histogram", "Generated tokens per request.", ENGINE_LABELS, TOKEN_COUNT_BUCKETS
+        REQUEST_PROMPT_TOKENS, "histogram", "Prompt tokens per request.", ENGINE_LABELS, TOKEN_COUNT_BUCKETS
+    ),
+    MetricSpec(
+        REQUEST_GENERATION_TOKENS,
+        "histogram",
+        "Generated tokens per request.",
+        ENGINE_LABELS,
+        TOKEN_COUNT_BUCKETS,
     ),
     MetricSpec(NUM_DRAFTS, "counter", "Request-steps that verified a non-empty draft.", SPEC_LABELS),
     MetricSpec(NUM_DRAFT_TOKENS, "counter", "Draft tokens verified by the target.", SPEC_LABELS),
@@ -165,9 +176,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "Request-steps decoded plain: no proposer or depth 0 (proposer=none), or an empty draft.",
         SPEC_LABELS,
     ),
-    MetricSpec(SPEC_DEPTH, "histogram", "Speculation depth chosen per speculative request-step.", SPEC_LABELS,
-               DEPTH_BUCKETS),  # fmt: skip
-    MetricSpec(BATCH_SIZE, "histogram", "Requests decoded per engine step.", ENGINE_LABELS, BATCH_SIZE_BUCKETS),
+    MetricSpec(
+        SPEC_DEPTH,
+        "histogram",
+        "Speculation depth chosen per speculative request-step.",
+        SPEC_LABELS,
+        DEPTH_BUCKETS,
+    ),
+    MetricSpec(
+        BATCH_SIZE, "histogram", "Requests decoded per engine step.", ENGINE_LABELS, BATCH_SIZE_BUCKETS
+    ),
 )
 
 METRICS_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
