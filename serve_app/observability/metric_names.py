@@ -19,7 +19,9 @@ Serving (as vLLM):
 - gauges ``num_requests_running`` (holding a KV slot), ``num_requests_waiting`` (queued for one),
   ``kv_cache_usage_perc`` (KV rows held / rows allocated, 0..1);
 - counters ``prompt_tokens``, ``generation_tokens`` (every token emitted, the first included),
-  ``request_success`` (``finished_reason``: stop, length, abort, error, timeout);
+  ``request_success`` (``finished_reason``: stop, length, abort, error, timeout), and ours,
+  ``requests_refused`` (``reason``: ``engine_queue_full`` when a replica's waiting queue is full,
+  ``serve_queue_full`` when Serve's queue in front of the replicas is; both answer 503);
 - histograms ``time_to_first_token_seconds`` (recorded when the first token is made),
   ``inter_token_latency_seconds`` (recorded as tokens are made: a step that gives a request ``n``
   tokens ``g`` seconds after its previous ones records ``g / n`` ``n`` times, so the sum is the
@@ -56,6 +58,8 @@ Kind = Literal["counter", "histogram", "gauge"]
 
 PREFIX = "specserve:"
 RAY_PREFIX = "ray_specserve_"  # how Ray's exporter shows our names (see ray_name)
+ENGINE_QUEUE_FULL = "engine_queue_full"  # requests_refused reasons
+SERVE_QUEUE_FULL = "serve_queue_full"
 NO_PROPOSER = "none"  # the proposer label of plain decoding
 UNKNOWN_REASON = "unknown"  # the finished_reason label when none was given
 
@@ -105,6 +109,7 @@ EXACT_MODE = PREFIX + "exact_mode"
 PROMPT_TOKENS = PREFIX + "prompt_tokens"
 GENERATION_TOKENS = PREFIX + "generation_tokens"
 REQUEST_SUCCESS = PREFIX + "request_success"
+REQUESTS_REFUSED = PREFIX + "requests_refused"
 TTFT = PREFIX + "time_to_first_token_seconds"
 ITL = PREFIX + "inter_token_latency_seconds"
 TPOT = PREFIX + "request_time_per_output_token_seconds"
@@ -140,6 +145,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "Finished requests by finished reason.",
         (*ENGINE_LABELS, "finished_reason"),
+    ),
+    MetricSpec(
+        REQUESTS_REFUSED, "counter", "Requests refused with 503 (overload).", (*ENGINE_LABELS, "reason")
     ),
     _latency(TTFT, "Time to first token in seconds (arrival at the replica to the first token)."),
     _latency(
