@@ -45,8 +45,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from serve_app.engine.request import RequestOutput
 from serve_app.engine.scheduler import QueueFullError
+from serve_app.observability.metric_names import ENGINE_QUEUE_FULL
 from serve_app.observability.request_spans import RequestSpans
 from serve_app.request_stream import (
     RequestStream,
@@ -55,6 +55,7 @@ from serve_app.request_stream import (
     overloaded_error,
     unavailable_error,
 )
+from serve_app.step_metrics import StepMetrics
 from serve_app.wire import EngineInfo, GenerateChunk, GenerateError, GenerateRequest
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ class AsyncEngine:
         self.max_tokens_limit = max_tokens_limit
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
+        self._recorder = StepMetrics(metrics)
         self.stuck_after_s = stuck_after_s
         if tracer is None:
             from serve_app.observability.tracing import get_tracer
@@ -227,6 +229,9 @@ class AsyncEngine:
             return
         finally:
             self._built.set()
+        if self.metrics is not None:  # what the engine turned out to be: its policy, exact or not
+            self.metrics.set_policy(str(self.engine.config.policy))
+            self.metrics.set_exact(self.engine.exact)
         try:
             while True:
                 with self._wake:
@@ -270,6 +275,7 @@ class AsyncEngine:
                 prompt_ids, request.sampling, request.request_id, speculation=request.speculation
             )
         except QueueFullError as exc:
+            self._recorder.refused(ENGINE_QUEUE_FULL)
             stream.deliver(overloaded_error(str(exc)))
         except (ValueError, TypeError, TemplateError) as exc:
             stream.deliver(GenerateError(message=str(exc), status=400))
@@ -292,11 +298,9 @@ class AsyncEngine:
             return  # finished, failed or never added
         self.engine.abort(request_id)
         self.aborts += 1
-        self._request_finished(stream, None, "abort")
+        self._recorder.finished(stream, None, "abort", time.perf_counter())
 
     def _step(self) -> None:
-        from serve_app.observability.metrics import StepOutcome
-
         before = [r.request_id for r in self.engine.scheduler.running]
         try:
             outputs = self.engine.step()
@@ -308,31 +312,18 @@ class AsyncEngine:
         self._consecutive_failures = 0
         # Bookkeeping and metrics first, delivery last: a consumer that has its final chunk sees
         # the metrics and the load of the step that made it.
-        outcomes = []
-        prefill_tokens = 0
         deliveries: list[tuple[RequestStream, StepOutput]] = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # aborted in the meantime (the engine knows already)
-            first = stream.first_output is None
-            if first:
-                stream.first_output = now
-                prefill_tokens += len(output.new_token_ids)
-            elif self.metrics is not None:
-                outcomes.append(StepOutcome.of(output))
+            first = self._recorder.output(stream, output, now)
             if output.finished:
                 del self._streams[output.request_id]
-                self._request_finished(stream, output, output.finish_reason or "stop", now)
+                self._recorder.finished(stream, output, output.finish_reason or "stop", now)
             if not stream.cancelled:  # a cancelled one's abort command is on its way
                 deliveries.append((stream, StepOutput(output, now, first)))
-        if self.metrics is not None and (outcomes or prefill_tokens):
-            try:
-                if outcomes:
-                    self.metrics.on_step(len(outcomes), outcomes)
-                self.metrics.on_prefill(prefill_tokens)
-            except Exception:
-                log.exception("metrics: on_step failed")
+        self._recorder.end_step()
         self._publish_load()
         for stream, item in deliveries:
             stream.deliver(item)
@@ -356,34 +347,13 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.deliver(error)
-                self._request_finished(stream, None, "error")
-
-    def _request_finished(
-        self, stream: RequestStream, output: RequestOutput | None, reason: str, now: float | None = None
-    ) -> None:
-        if self.metrics is None:
-            return
-        completion = output.completion_tokens if output is not None else 0
-        ttft, tpot = stream.latencies(completion, now if now is not None else time.perf_counter())
-        try:
-            self.metrics.on_request_finished(
-                ttft_s=ttft,
-                tpot_s=tpot,
-                prompt_tokens=output.prompt_tokens if output is not None else 0,
-                completion_tokens=completion,
-                finish_reason=reason,
-            )
-        except Exception:
-            log.exception("metrics: on_request_finished failed")
+                self._recorder.finished(stream, None, "error", time.perf_counter())
 
     def _publish_load(self) -> None:
         scheduler = self.engine.scheduler
         self._load = (scheduler.num_running, scheduler.num_waiting)
         if self.metrics is not None:
-            try:
-                self.metrics.set_load(*self._load)
-            except Exception:
-                log.exception("metrics: set_load failed")
+            self._recorder.load(*self._load, self.engine.cache.usage)
 
     def _fail_all(self, error: GenerateError) -> None:
         streams, self._streams = self._streams, {}

@@ -167,7 +167,8 @@ def build_async_engine(settings: Settings, metrics_backend: str = "ray", tracer:
     from serve_app.observability.shared_stats import EngineStatsSink, SharedStats
 
     threads = replica_threads(settings)
-    stats = SharedStats(settings.stats, replica_id=f"{socket.gethostname()}-{os.getpid()}")
+    replica = f"{socket.gethostname()}-{os.getpid()}"  # the replica in Redis and in metric labels
+    stats = SharedStats(settings.stats, replica_id=replica)
     stats.start()
 
     def build() -> SpecEngine:  # on the engine's loop thread: all of a replica's torch work there
@@ -185,7 +186,7 @@ def build_async_engine(settings: Settings, metrics_backend: str = "ray", tracer:
             model_name=name,
             max_tokens_limit=settings.server.max_tokens_limit,
             request_timeout_s=settings.server.request_timeout_s,
-            metrics=EngineMetrics(name, backend=metrics_backend),
+            metrics=EngineMetrics(name, backend=metrics_backend, replica=replica),
             tracer=tracer,
             threads=threads,
         )

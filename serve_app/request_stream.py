@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from serve_app.engine.request import RequestOutput
+from serve_app.observability.metrics import RequestTimings
 from serve_app.observability.request_spans import RequestSpans
 from serve_app.wire import GenerateChunk, GenerateError, GenerateRequest
 
@@ -41,16 +42,25 @@ class RequestStream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float = field(default_factory=time.perf_counter)
+    scheduled: float | None = None  # loop thread: when the request got its KV slot
     first_output: float | None = None  # loop thread: when the first output was made
+    last_output: float | None = None  # loop thread: when the latest output was made
     cancelled: bool = False  # consumer: gone; the loop thread skips or aborts it
 
-    def latencies(self, completion_tokens: int, now: float) -> tuple[float | None, float | None]:
-        """(time to first token, time per output token after it) in seconds, where known."""
-        first = self.first_output
-        if first is None:
-            return None, None
-        per_token = (now - first) / (completion_tokens - 1) if completion_tokens > 1 else None
-        return first - self.arrival, per_token
+    def timings(self, completion_tokens: int, now: float) -> RequestTimings:
+        """The request's latencies, finishing at ``now`` (perf_counter seconds), where known."""
+        scheduled, first = self.scheduled, self.first_output
+        last = self.last_output if self.last_output is not None else now
+        decode = last - first if first is not None else None
+        return RequestTimings(
+            e2e=now - self.arrival,
+            queue=scheduled - self.arrival if scheduled is not None else None,
+            prefill=first - scheduled if first is not None and scheduled is not None else None,
+            decode=decode,
+            inference=last - scheduled if first is not None and scheduled is not None else None,
+            ttft=first - self.arrival if first is not None else None,
+            tpot=decode / (completion_tokens - 1) if decode is not None and completion_tokens > 1 else None,
+        )
 
     def deliver(self, item: StepOutput | GenerateError) -> None:
         """Hand an item to the consumer's event loop (any thread)."""

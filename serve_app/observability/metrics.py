@@ -1,42 +1,12 @@
-"""Engine metrics for Prometheus, through Ray's metrics API, named like vLLM's.
+"""The engine's metrics, recorded by its loop thread: Ray's metrics API in a replica, or memory.
 
-Every series carries the tag ``model_name``; speculation series also carry ``proposer``. Names are
-given here without Ray's decoration: Ray's Prometheus exporter prefixes every application metric
-with ``ray_`` and exports a counter with the suffix ``_total`` (histograms as ``_bucket``,
-``_sum`` and ``_count``), so ``specserve_spec_decode_num_draft_tokens`` is scraped as
-``ray_specserve_spec_decode_num_draft_tokens_total`` and
-``specserve_time_to_first_token_seconds`` as ``ray_specserve_time_to_first_token_seconds_bucket``.
-
-Counters:
-
-- ``specserve_spec_decode_num_drafts`` (proposer): request-steps that verified a non-empty draft.
-- ``specserve_spec_decode_num_draft_tokens`` (proposer): draft tokens verified by the target.
-- ``specserve_spec_decode_num_accepted_tokens`` (proposer): draft tokens the target accepted.
-- ``specserve_spec_decode_num_accepted_tokens_per_pos`` (proposer, position): draft tokens accepted
-  at draft position ``position`` (0-based; acceptance is a prefix, so position j counts the drafts
-  that kept more than j tokens).
-- ``specserve_spec_decode_fallbacks`` (proposer): request-steps decoded plain: the policy chose no
-  proposer or depth 0 (``proposer="none"``), or the chosen proposer drafted nothing (its name).
-- ``specserve_generation_tokens``: tokens emitted (every token of a request, the first one included).
-- ``specserve_prompt_tokens``: prompt tokens of finished requests.
-- ``specserve_request_success`` (finish_reason): finished requests, aborts included.
-
-Histograms: ``specserve_time_to_first_token_seconds``, ``specserve_time_per_output_token_seconds``,
-``specserve_request_prompt_tokens`` and ``specserve_request_generation_tokens`` (per finished
-request), ``specserve_spec_decode_depth`` (proposer; the depth chosen for each request-step that
-had a proposer and depth >= 1 -- plain ones count as fallbacks), ``specserve_batch_size`` (requests
-decoded per engine step).
-
-Gauges: ``specserve_num_requests_running`` (holding a KV slot), ``specserve_num_requests_waiting``
-(queued for one).
-
-Acceptance rate is ``accepted_tokens / draft_tokens``; the mean accepted length is
-``(accepted_tokens + num_drafts) / num_drafts``; per-position acceptance is
-``accepted_tokens_per_pos{position=j} / num_drafts`` (for a fixed depth).
-
-Two backends sit behind one small interface: ``"ray"`` records through ``ray.util.metrics`` (inside
-a Ray worker, e.g. a Serve replica); ``"memory"`` keeps plain Python sums, for tests and for running
-outside Ray, and can be read back with :meth:`EngineMetrics.snapshot` and :meth:`EngineMetrics.value`.
+What each metric means, its labels and buckets live in ``serve_app.observability.metric_names``
+(vLLM's names under ``specserve:``); this module records them. Two backends sit behind one small
+interface: ``"ray"`` records through ``ray.util.metrics`` (inside a Ray worker, e.g. a Serve
+replica; Ray's exporter shows them as ``ray_specserve_*``, and ``GET /metrics`` on the API port
+re-exposes them under our names); ``"memory"`` keeps plain Python sums, for tests and for running
+outside Ray, read back with :meth:`EngineMetrics.snapshot`, :meth:`EngineMetrics.value` and
+:meth:`EngineMetrics.histogram`.
 """
 
 from __future__ import annotations
@@ -47,96 +17,58 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-Kind = Literal["counter", "histogram", "gauge"]
+from serve_app.observability.metric_names import (
+    BATCH_SIZE,
+    DECODE_TIME,
+    E2E,
+    EXACT_MODE,
+    FALLBACKS,
+    GENERATION_TOKENS,
+    INFERENCE_TIME,
+    ITL,
+    KV_CACHE_USAGE,
+    METRICS,
+    NO_PROPOSER,
+    NUM_ACCEPTED_TOKENS,
+    NUM_ACCEPTED_TOKENS_PER_POS,
+    NUM_DRAFT_TOKENS,
+    NUM_DRAFTS,
+    NUM_RUNNING,
+    NUM_WAITING,
+    PREFILL_TIME,
+    PROMPT_TOKENS,
+    QUEUE_TIME,
+    REQUEST_GENERATION_TOKENS,
+    REQUEST_PROMPT_TOKENS,
+    REQUEST_SUCCESS,
+    REQUESTS_REFUSED,
+    SPEC_DEPTH,
+    TPOT,
+    TTFT,
+    UNKNOWN_REASON,
+    MetricSpec,
+    ray_name,
+)
+
 Labels = tuple[tuple[str, str], ...]  # sorted (tag, value) pairs: one series of a metric
-
-NO_PROPOSER = "none"  # the proposer tag of plain decoding
-UNKNOWN_REASON = "unknown"  # the finish_reason tag when none was given
-
-# Bucket upper bounds (Ray requires them positive; Prometheus adds +Inf).
-TTFT_BUCKETS = (
-    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-    80.0, 160.0, 640.0,
-)  # fmt: skip
-TPOT_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-    5.0, 10.0,
-)  # fmt: skip
-DEPTH_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0)
-BATCH_SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
-TOKEN_COUNT_BUCKETS = (
-    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
-    50000.0, 100000.0,
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
-class MetricSpec:
-    """One metric as declared once and created once per backend."""
+class RequestTimings:
+    """One finished request's latencies in seconds (None where the request never got that far).
 
-    name: str
-    kind: Kind
-    description: str
-    tag_keys: tuple[str, ...] = ("model_name",)
-    boundaries: tuple[float, ...] = ()
+    ``queue``: arrival at the replica to its KV slot; ``prefill``: slot to first token; ``decode``:
+    first token to last; ``inference``: slot to last; ``e2e``: arrival to finish; ``ttft``: arrival
+    to first token; ``tpot``: ``decode`` over the tokens after the first.
+    """
 
-
-_MODEL = ("model_name",)
-_PROPOSER = ("model_name", "proposer")
-
-NUM_DRAFTS = "specserve_spec_decode_num_drafts"
-NUM_DRAFT_TOKENS = "specserve_spec_decode_num_draft_tokens"
-NUM_ACCEPTED_TOKENS = "specserve_spec_decode_num_accepted_tokens"
-NUM_ACCEPTED_TOKENS_PER_POS = "specserve_spec_decode_num_accepted_tokens_per_pos"
-FALLBACKS = "specserve_spec_decode_fallbacks"
-GENERATION_TOKENS = "specserve_generation_tokens"
-PROMPT_TOKENS = "specserve_prompt_tokens"
-REQUEST_SUCCESS = "specserve_request_success"
-TTFT = "specserve_time_to_first_token_seconds"
-TPOT = "specserve_time_per_output_token_seconds"
-REQUEST_PROMPT_TOKENS = "specserve_request_prompt_tokens"
-REQUEST_GENERATION_TOKENS = "specserve_request_generation_tokens"
-SPEC_DEPTH = "specserve_spec_decode_depth"
-BATCH_SIZE = "specserve_batch_size"
-NUM_RUNNING = "specserve_num_requests_running"
-NUM_WAITING = "specserve_num_requests_waiting"
-
-METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec(NUM_DRAFTS, "counter", "Request-steps that verified a non-empty draft.", _PROPOSER),
-    MetricSpec(NUM_DRAFT_TOKENS, "counter", "Draft tokens verified by the target.", _PROPOSER),
-    MetricSpec(NUM_ACCEPTED_TOKENS, "counter", "Draft tokens accepted by the target.", _PROPOSER),
-    MetricSpec(
-        NUM_ACCEPTED_TOKENS_PER_POS,
-        "counter",
-        "Draft tokens accepted at each draft position (0-based).",
-        ("model_name", "proposer", "position"),
-    ),
-    MetricSpec(
-        FALLBACKS,
-        "counter",
-        "Request-steps decoded plain: no proposer or depth 0 (proposer=none), or an empty draft.",
-        _PROPOSER,
-    ),
-    MetricSpec(GENERATION_TOKENS, "counter", "Tokens generated (emitted to clients).", _MODEL),
-    MetricSpec(PROMPT_TOKENS, "counter", "Prompt tokens of finished requests.", _MODEL),
-    MetricSpec(REQUEST_SUCCESS, "counter", "Finished requests.", ("model_name", "finish_reason")),
-    MetricSpec(TTFT, "histogram", "Time to first token in seconds.", _MODEL, TTFT_BUCKETS),
-    MetricSpec(TPOT, "histogram", "Time per output token in seconds.", _MODEL, TPOT_BUCKETS),
-    MetricSpec(REQUEST_PROMPT_TOKENS, "histogram", "Prompt tokens per request.", _MODEL, TOKEN_COUNT_BUCKETS),
-    MetricSpec(
-        REQUEST_GENERATION_TOKENS, "histogram", "Generated tokens per request.", _MODEL, TOKEN_COUNT_BUCKETS
-    ),
-    MetricSpec(
-        SPEC_DEPTH,
-        "histogram",
-        "Speculation depth chosen per speculative request-step.",
-        _PROPOSER,
-        DEPTH_BUCKETS,
-    ),
-    MetricSpec(BATCH_SIZE, "histogram", "Requests decoded per engine step.", _MODEL, BATCH_SIZE_BUCKETS),
-    MetricSpec(NUM_RUNNING, "gauge", "Requests running (holding a KV slot).", _MODEL),
-    MetricSpec(NUM_WAITING, "gauge", "Requests waiting for a KV slot.", _MODEL),
-)
+    e2e: float
+    queue: float | None = None
+    prefill: float | None = None
+    decode: float | None = None
+    inference: float | None = None
+    ttft: float | None = None
+    tpot: float | None = None
 
 
 @dataclass(frozen=True)
@@ -182,14 +114,13 @@ class _RaySink:
 
         self.metrics: dict[str, Any] = {}
         for spec in specs:
+            name = ray_name(spec.name)
             if spec.kind == "counter":
-                metric = ray_metrics.Counter(spec.name, spec.description, spec.tag_keys)
+                metric = ray_metrics.Counter(name, spec.description, spec.tag_keys)
             elif spec.kind == "gauge":
-                metric = ray_metrics.Gauge(spec.name, spec.description, spec.tag_keys)
+                metric = ray_metrics.Gauge(name, spec.description, spec.tag_keys)
             else:
-                metric = ray_metrics.Histogram(
-                    spec.name, spec.description, list(spec.boundaries), spec.tag_keys
-                )
+                metric = ray_metrics.Histogram(name, spec.description, list(spec.boundaries), spec.tag_keys)
             self.metrics[spec.name] = metric
 
     def inc(self, name: str, value: float, tags: Mapping[str, str]) -> None:
@@ -264,16 +195,27 @@ class _MemorySink:
 
 
 class EngineMetrics:
-    """The engine's Prometheus metrics; one per engine (replica), all series tagged with the model.
+    """The engine's Prometheus metrics; one per engine (replica).
 
-    The engine calls :meth:`on_step` after every step, :meth:`on_request_finished` once per
-    request and :meth:`set_load` whenever its queues change (or once per step).
+    Every series is tagged with the model and the replica; speculation series also with the policy.
+    The replica's loop thread calls :meth:`on_step` after every step for the requests it decoded,
+    :meth:`on_first_token` when a request's prefill made its first token, :meth:`on_tokens` when a
+    later step gave a request tokens, :meth:`on_request_finished` once per request,
+    :meth:`on_refused` for a request it refused, and :meth:`set_load` whenever its queues change.
     """
 
-    def __init__(self, model_name: str, backend: Literal["ray", "memory"] = "ray") -> None:
+    def __init__(
+        self,
+        model_name: str,
+        backend: Literal["ray", "memory"] = "ray",
+        *,
+        replica: str = "0",
+        policy: str = NO_PROPOSER,
+    ) -> None:
         self.model_name = model_name
         self.backend = backend
-        self._model_tags = {"model_name": model_name}
+        self._model_tags = {"model_name": model_name, "replica": replica}
+        self._spec_tags = {**self._model_tags, "policy": policy}
         if backend == "ray":
             self._sink: _Sink = _RaySink(METRICS)
         elif backend == "memory":
@@ -287,18 +229,25 @@ class EngineMetrics:
         if value > 0:  # Ray counters refuse 0; a zero increment changes nothing anyway
             self._sink.inc(name, value, tags)
 
+    def _observe(self, name: str, value: float | None) -> None:
+        if value is not None:
+            self._sink.observe(name, float(value), self._model_tags)
+
+    def set_policy(self, policy: str) -> None:
+        """The policy label of the speculation series (known once the engine is built)."""
+        self._spec_tags = {**self._model_tags, "policy": policy}
+
     def on_step(self, batch_size: int, outputs: Sequence[StepOutcome]) -> None:
         """Record one engine step: ``outputs`` has one outcome per request the step decoded."""
-        model = self._model_tags
         if batch_size > 0:
-            self._sink.observe(BATCH_SIZE, float(batch_size), model)
+            self._sink.observe(BATCH_SIZE, float(batch_size), self._model_tags)
         emitted = 0
         for out in outputs:
             emitted += out.emitted
             if out.proposer is None or out.depth <= 0:
-                self._sink.inc(FALLBACKS, 1, {**model, "proposer": NO_PROPOSER})
+                self._sink.inc(FALLBACKS, 1, {**self._spec_tags, "proposer": NO_PROPOSER})
                 continue
-            tags = {**model, "proposer": out.proposer}
+            tags = {**self._spec_tags, "proposer": out.proposer}
             self._sink.observe(SPEC_DEPTH, float(out.depth), tags)
             if out.drafted <= 0:
                 self._sink.inc(FALLBACKS, 1, tags)
@@ -308,41 +257,55 @@ class EngineMetrics:
             self._inc(NUM_ACCEPTED_TOKENS, out.accepted, tags)
             for position in range(out.accepted):  # acceptance is a prefix: position j kept iff accepted > j
                 self._sink.inc(NUM_ACCEPTED_TOKENS_PER_POS, 1, {**tags, "position": str(position)})
-        self._inc(GENERATION_TOKENS, emitted, model)
+        self._inc(GENERATION_TOKENS, emitted, self._model_tags)
 
-    def on_prefill(self, tokens: int) -> None:
-        """Count the tokens a step's prefills emitted (each request's first token): generated tokens
-        too, though no decode step made them (``on_step`` covers the decoding requests)."""
+    def on_first_token(self, ttft_s: float, tokens: int) -> None:
+        """A request's prefill made its first ``tokens`` (1) tokens ``ttft_s`` after it arrived:
+        time to first token, recorded now, and generated tokens no decode step made."""
+        self._observe(TTFT, ttft_s)
         self._inc(GENERATION_TOKENS, tokens, self._model_tags)
 
+    def on_tokens(self, gap_s: float, tokens: int) -> None:
+        """A step gave a request ``tokens`` tokens ``gap_s`` after its previous ones: ``tokens``
+        inter-token samples of ``gap_s / tokens`` (a speculative step's tokens share its gap)."""
+        if tokens > 0:
+            per_token = gap_s / tokens
+            for _ in range(tokens):
+                self._sink.observe(ITL, per_token, self._model_tags)
+
     def on_request_finished(
-        self,
-        ttft_s: float | None,
-        tpot_s: float | None,
-        prompt_tokens: int,
-        completion_tokens: int,
-        finish_reason: str | None,
+        self, timings: RequestTimings, prompt_tokens: int, completion_tokens: int, finished_reason: str | None
     ) -> None:
-        """Record a finished request (any reason, aborts included: ``finish_reason`` tags it).
+        """Record a finished request (any reason, aborts included: ``finished_reason`` tags it).
 
-        Generated tokens are counted step by step in :meth:`on_step`; here ``completion_tokens``
-        only feeds the per-request length histogram. ``ttft_s``/``tpot_s`` None (no token, or a
-        single one) are not observed.
+        Generated tokens and TTFT were counted as they happened (:meth:`on_step`,
+        :meth:`on_first_token`); here go the per-request histograms and counters.
         """
-        model = self._model_tags
-        if ttft_s is not None:
-            self._sink.observe(TTFT, float(ttft_s), model)
-        if tpot_s is not None:
-            self._sink.observe(TPOT, float(tpot_s), model)
-        self._inc(PROMPT_TOKENS, prompt_tokens, model)
-        self._sink.observe(REQUEST_PROMPT_TOKENS, float(prompt_tokens), model)
-        self._sink.observe(REQUEST_GENERATION_TOKENS, float(completion_tokens), model)
-        self._sink.inc(REQUEST_SUCCESS, 1, {**model, "finish_reason": finish_reason or UNKNOWN_REASON})
+        self._observe(E2E, timings.e2e)
+        self._observe(QUEUE_TIME, timings.queue)
+        self._observe(PREFILL_TIME, timings.prefill)
+        self._observe(DECODE_TIME, timings.decode)
+        self._observe(INFERENCE_TIME, timings.inference)
+        self._observe(TPOT, timings.tpot)
+        self._inc(PROMPT_TOKENS, prompt_tokens, self._model_tags)
+        self._observe(REQUEST_PROMPT_TOKENS, prompt_tokens)
+        self._observe(REQUEST_GENERATION_TOKENS, completion_tokens)
+        reason = finished_reason or UNKNOWN_REASON
+        self._sink.inc(REQUEST_SUCCESS, 1, {**self._model_tags, "finished_reason": reason})
 
-    def set_load(self, running: int, queued: int) -> None:
-        """Set the gauges of running and waiting requests."""
+    def on_refused(self, reason: str) -> None:
+        """A request refused with 503 (``metric_names.ENGINE_QUEUE_FULL`` / ``SERVE_QUEUE_FULL``)."""
+        self._sink.inc(REQUESTS_REFUSED, 1, {**self._model_tags, "reason": reason})
+
+    def set_load(self, running: int, queued: int, kv_cache_usage: float = 0.0) -> None:
+        """Set the gauges of running and waiting requests and of the KV cache's usage (0..1)."""
         self._sink.set(NUM_RUNNING, float(running), self._model_tags)
         self._sink.set(NUM_WAITING, float(queued), self._model_tags)
+        self._sink.set(KV_CACHE_USAGE, float(kv_cache_usage), self._model_tags)
+
+    def set_exact(self, exact: bool) -> None:
+        """Set the exact-mode gauge: 1 when speculative output is bit-identical to plain decoding."""
+        self._sink.set(EXACT_MODE, 1.0 if exact else 0.0, self._model_tags)
 
     # reading back (memory backend) -------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from serve_app.async_engine import AsyncEngine
 from serve_app.config import TelemetrySettings
 from serve_app.engine.engine import SpecEngine
 from serve_app.engine.params import SamplingParams, SpecOverride
-from serve_app.observability import metrics as m
+from serve_app.observability import metric_names as m
 from serve_app.observability.metrics import EngineMetrics
 from serve_app.observability.tracing import get_tracer, inject_context, setup_tracing
 from serve_app.wire import GenerateChunk, GenerateRequest
@@ -102,12 +102,20 @@ def test_concurrent_requests_match_the_sync_engine(make_async, target_hf, tiny_t
         assert final.speculation is not None and final.speculation["drafted"] > 0
         assert final.speculation["accepted"] == final.speculation["drafted"]  # self-draft
     metrics = engine.metrics
-    assert metrics.value(m.REQUEST_SUCCESS, finish_reason="length") == len(PROMPTS)
+    assert metrics.value(m.REQUEST_SUCCESS, finished_reason="length") == len(PROMPTS)
     assert metrics.value(m.NUM_DRAFT_TOKENS) == sum(r.spec_stats.drafted for r in expected)
     assert metrics.value(m.GENERATION_TOKENS) == 16 * len(PROMPTS)  # first tokens (prefill) included
     assert metrics.histogram(m.TTFT).count == len(PROMPTS)
     assert metrics.histogram(m.TPOT).count == len(PROMPTS)
+    assert metrics.histogram(m.ITL).count == 15 * len(PROMPTS)  # one sample per token after the first
+    for name in (m.E2E, m.QUEUE_TIME, m.PREFILL_TIME, m.DECODE_TIME, m.INFERENCE_TIME):
+        assert metrics.histogram(name).count == len(PROMPTS), name
+    # every request's decode time is the sum of its inter-token gaps
+    assert metrics.histogram(m.ITL).sum == pytest.approx(metrics.histogram(m.DECODE_TIME).sum)
     assert metrics.value(m.NUM_RUNNING) == 0 and metrics.value(m.NUM_WAITING) == 0
+    assert metrics.value(m.KV_CACHE_USAGE) == 0.0 and metrics.value(m.EXACT_MODE) == float(
+        engine.engine.exact
+    )
     assert engine.stats()["running"] == 0 and engine.engine.cache.num_free == 3
 
 
@@ -160,7 +168,7 @@ def test_early_close_aborts_and_frees_the_slot(make_async, target_hf, tiny_token
     asyncio.run(run())
     assert engine.engine.cache.num_free == 4
     assert engine.engine.proposers["draft"].cache.num_free == 4
-    assert engine.metrics.value(m.REQUEST_SUCCESS, finish_reason="abort") == 2
+    assert engine.metrics.value(m.REQUEST_SUCCESS, finished_reason="abort") == 2
     assert engine.stats()["aborts"] == 2
 
 
@@ -193,6 +201,7 @@ def test_queue_full_is_503_overloaded(make_async, target_hf, tiny_tokenizer) -> 
     (chunk,) = asyncio.run(collect(engine, request("full", "The dog")))
     assert chunk.finished and chunk.error.status == 503
     assert chunk.error.type == "overloaded_error" and chunk.error.code == "overloaded"
+    assert engine.metrics.value(m.REQUESTS_REFUSED, reason=m.ENGINE_QUEUE_FULL) == 1
 
 
 def test_request_timeout_aborts(make_async, target_hf, tiny_tokenizer) -> None:

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.observability.metrics import (
+from serve_app.observability.metric_names import (
     BATCH_SIZE,
+    DECODE_TIME,
+    E2E,
+    ENGINE_QUEUE_FULL,
+    EXACT_MODE,
     FALLBACKS,
     GENERATION_TOKENS,
+    INFERENCE_TIME,
+    ITL,
+    KV_CACHE_USAGE,
     METRICS,
     NUM_ACCEPTED_TOKENS,
     NUM_ACCEPTED_TOKENS_PER_POS,
@@ -15,20 +22,25 @@ from serve_app.observability.metrics import (
     NUM_DRAFTS,
     NUM_RUNNING,
     NUM_WAITING,
+    PREFILL_TIME,
     PROMPT_TOKENS,
+    QUEUE_TIME,
     REQUEST_GENERATION_TOKENS,
     REQUEST_SUCCESS,
+    REQUESTS_REFUSED,
     SPEC_DEPTH,
     TPOT,
     TTFT,
-    EngineMetrics,
-    StepOutcome,
+    exported_sample_names,
+    from_ray_name,
+    ray_name,
 )
+from serve_app.observability.metrics import EngineMetrics, RequestTimings, StepOutcome
 
 
 @pytest.fixture
 def metrics() -> EngineMetrics:
-    m = EngineMetrics("tiny", backend="memory")
+    m = EngineMetrics("tiny", backend="memory", replica="r0", policy="adaptive")
     # step 1: two draft rows (one all accepted + bonus, one rejected at once), one plain row
     m.on_step(
         3,
@@ -91,38 +103,68 @@ def test_fallbacks_and_depths(metrics: EngineMetrics) -> None:
     assert batch.count == 3 and batch.sum == 7
 
 
+def test_speculation_series_carry_replica_and_policy(metrics: EngineMetrics) -> None:
+    assert metrics.value(NUM_DRAFTS, replica="r0", policy="adaptive") == 4
+    assert metrics.value(NUM_DRAFTS, policy="fixed") == 0
+    metrics.set_policy("fixed")
+    metrics.on_step(1, [StepOutcome("draft", 2, 2, 2, 3)])
+    assert metrics.value(NUM_DRAFTS, policy="fixed") == 1 and metrics.value(NUM_DRAFTS) == 5
+
+
 def test_requests_and_load() -> None:
     m = EngineMetrics("tiny", backend="memory")
-    m.on_request_finished(0.25, 0.02, 10, 32, "stop")
-    m.on_request_finished(1.5, None, 7, 1, "length")
-    m.on_request_finished(None, None, 5, 0, None)  # aborted before its first token
+    full = RequestTimings(e2e=2.0, queue=0.5, prefill=0.25, decode=1.25, inference=1.5, ttft=0.75, tpot=0.04)
+    m.on_request_finished(full, 10, 32, "stop")
+    m.on_request_finished(RequestTimings(e2e=1.5, queue=0.1, prefill=1.4, decode=0.0, inference=1.4,
+                                         ttft=1.5), 7, 1, "length")  # fmt: skip
+    m.on_request_finished(RequestTimings(e2e=0.3), 5, 0, None)  # aborted while it waited for a slot
     assert m.value(PROMPT_TOKENS) == 22
     assert m.value(REQUEST_SUCCESS) == 3
-    assert m.value(REQUEST_SUCCESS, finish_reason="stop") == 1
-    assert m.value(REQUEST_SUCCESS, finish_reason="unknown") == 1
-    ttft = m.histogram(TTFT)
-    assert ttft.count == 2 and ttft.sum == pytest.approx(1.75)
-    assert sum(ttft.bucket_counts) == 2
+    assert m.value(REQUEST_SUCCESS, finished_reason="stop") == 1
+    assert m.value(REQUEST_SUCCESS, finished_reason="unknown") == 1
+    assert m.histogram(E2E).count == 3 and m.histogram(E2E).sum == pytest.approx(3.8)
+    assert m.histogram(QUEUE_TIME).count == 2 and m.histogram(QUEUE_TIME).sum == pytest.approx(0.6)
+    assert m.histogram(PREFILL_TIME).sum == pytest.approx(1.65)
+    assert m.histogram(DECODE_TIME).count == 2 and m.histogram(INFERENCE_TIME).sum == pytest.approx(2.9)
+    assert m.histogram(TTFT).count == 0  # recorded when the first token is made, not here
     assert m.histogram(TPOT).count == 1
     assert m.histogram(REQUEST_GENERATION_TOKENS).sum == 33
-    m.set_load(running=3, queued=5)
-    m.set_load(running=2, queued=0)  # gauges hold the latest value
+    m.set_load(running=3, queued=5, kv_cache_usage=0.5)
+    m.set_load(running=2, queued=0, kv_cache_usage=0.25)  # gauges hold the latest value
     assert m.value(NUM_RUNNING) == 2
     assert m.value(NUM_WAITING) == 0
+    assert m.value(KV_CACHE_USAGE) == 0.25
+    m.on_refused(ENGINE_QUEUE_FULL)
+    assert m.value(REQUESTS_REFUSED, reason=ENGINE_QUEUE_FULL) == 1
+    m.set_exact(True)
+    assert m.value(EXACT_MODE) == 1.0
+
+
+def test_first_token_and_inter_token_latency_as_they_happen() -> None:
+    m = EngineMetrics("tiny", backend="memory")
+    m.on_first_token(0.5, 1)
+    assert m.histogram(TTFT).count == 1 and m.histogram(TTFT).sum == 0.5
+    assert m.value(GENERATION_TOKENS) == 1
+    m.on_tokens(0.1, 1)  # a plain step
+    m.on_tokens(0.2, 4)  # a speculative step: four tokens share its gap
+    m.on_tokens(0.3, 0)  # nothing emitted: nothing recorded
+    itl = m.histogram(ITL)
+    assert itl.count == 5 and itl.sum == pytest.approx(0.3)
+    assert itl.bucket_counts[itl.boundaries.index(0.05)] == 4  # 0.05 each, in the "le 0.05" bucket
 
 
 def test_snapshot_is_a_copy_with_labels() -> None:
-    m = EngineMetrics("tiny", backend="memory")
+    m = EngineMetrics("tiny", backend="memory", replica="r1", policy="fixed")
     m.on_step(1, [StepOutcome("draft", 2, 2, 1, 2)])
     snap = m.snapshot()
     assert set(snap) == {spec.name for spec in METRICS}
-    assert snap[NUM_DRAFTS] == {(("model_name", "tiny"), ("proposer", "draft")): 1}
-    assert snap[NUM_ACCEPTED_TOKENS_PER_POS] == {
-        (("model_name", "tiny"), ("position", "0"), ("proposer", "draft")): 1
-    }
+    series = (("model_name", "tiny"), ("policy", "fixed"), ("proposer", "draft"), ("replica", "r1"))
+    assert snap[NUM_DRAFTS] == {series: 1}
+    assert snap[NUM_ACCEPTED_TOKENS_PER_POS] == {tuple(sorted((*series, ("position", "0")))): 1}
     m.on_step(1, [StepOutcome("draft", 2, 2, 1, 2)])
-    assert snap[NUM_DRAFTS][(("model_name", "tiny"), ("proposer", "draft"))] == 1  # unchanged copy
-    assert m.histogram(BATCH_SIZE).count == 2 and snap[BATCH_SIZE][(("model_name", "tiny"),)].count == 1
+    assert snap[NUM_DRAFTS][series] == 1  # unchanged copy
+    engine_series = (("model_name", "tiny"), ("replica", "r1"))
+    assert m.histogram(BATCH_SIZE).count == 2 and snap[BATCH_SIZE][engine_series].count == 1
 
 
 def test_readers_refuse_wrong_kinds_and_backends() -> None:
@@ -139,10 +181,16 @@ def test_metric_names_are_valid_and_unique() -> None:
     names = [spec.name for spec in METRICS]
     assert len(names) == len(set(names))
     for spec in METRICS:
-        assert spec.name.startswith("specserve_") and not spec.name.endswith("_total")
-        assert spec.tag_keys[0] == "model_name"
+        assert spec.name.startswith("specserve:") and not spec.name.endswith("_total")
+        assert spec.tag_keys[:2] == ("model_name", "replica")
+        assert ":" not in ray_name(spec.name)  # Ray's pipeline drops names with a colon
         if spec.kind == "histogram":
             assert list(spec.boundaries) == sorted(spec.boundaries) and spec.boundaries[0] > 0
+    assert from_ray_name("ray_" + ray_name(TTFT) + "_bucket") == TTFT + "_bucket"
+    assert from_ray_name("ray_serve_num_router_requests_total") is None
+    assert "specserve:generation_tokens_total" in exported_sample_names()
+    assert "specserve:time_to_first_token_seconds_bucket" in exported_sample_names()
+    assert "specserve:num_requests_running_total" not in exported_sample_names()
 
 
 def test_ray_backend_records_inside_local_ray() -> None:
@@ -155,15 +203,20 @@ def test_ray_backend_records_inside_local_ray() -> None:
         from ray.util import metrics as ray_metrics
 
         objects = m._sink.metrics
-        assert set(objects) == {spec.name for spec in METRICS}
+        assert set(objects) == {spec.name for spec in METRICS}  # recorded under ray_name(...)
         assert isinstance(objects[NUM_DRAFT_TOKENS], ray_metrics.Counter)
         assert isinstance(objects[TTFT], ray_metrics.Histogram)
         assert isinstance(objects[NUM_RUNNING], ray_metrics.Gauge)
         m.on_step(2, [StepOutcome("draft", 4, 4, 2, 3), StepOutcome(None, 0, 0, 0, 1)])
         m.on_step(1, [StepOutcome("ngram", 3, 0, 0, 1)])  # zero increments are skipped, not refused
-        m.on_request_finished(0.1, 0.01, 12, 4, "stop")
-        m.on_request_finished(None, None, 3, 0, None)
-        m.set_load(1, 0)
+        m.on_first_token(0.1, 1)
+        m.on_tokens(0.03, 3)
+        m.on_request_finished(RequestTimings(e2e=0.2, queue=0.01, prefill=0.09, decode=0.1, inference=0.19,
+                                             ttft=0.1, tpot=0.01), 12, 4, "stop")  # fmt: skip
+        m.on_request_finished(RequestTimings(e2e=0.05), 3, 0, None)
+        m.on_refused(ENGINE_QUEUE_FULL)
+        m.set_load(1, 0, 0.125)
+        m.set_exact(False)
         with pytest.raises(RuntimeError):
             m.snapshot()  # read through Prometheus, not here
     finally:
