@@ -3,6 +3,12 @@
     serve run serve_app.app:build_app model.target=smollm2-135m-instruct     # or a KubeRay
     serveConfigV2 with ``import_path: serve_app.app:build_app`` and ``args: {model: {target: ...}}``
 
+    SPECSERVE_MODEL__TARGET=smollm2-135m-instruct serve build serve_app.serve_entry:app -o serve.yaml
+    serve deploy serve.yaml        # ``serve build`` needs an Application object: ``serve_app.serve_entry``
+
+``serve build`` writes both deployments' options; ``serve deploy`` imports ``serve_app.serve_entry``
+again on the cluster, whose ``SPECSERVE_*`` environment gives the settings (see that module).
+
 Two deployments:
 
 - ``EngineDeployment``: one ``AsyncEngine`` (``serve_app.async_engine``) per replica. ``generate`` streams
@@ -12,7 +18,8 @@ Two deployments:
   concurrency and CPUs come from settings through :func:`deployment_options`.
 - ``IngressDeployment``: the OpenAI-compatible FastAPI app of ``serve_app.api.routes.create_app``,
   built in the replica (``__serve_build_asgi_app__``) around a ``RayEngineClient``
-  (``serve_app.handle_client``, which also says how cancellation crosses the handle).
+  (``serve_app.handle_client``, which also says how cancellation crosses the handle); light
+  replicas, autoscaled too (:func:`ingress_options`).
 
 Importing this module starts nothing (no Ray cluster, no model load).
 """
@@ -82,14 +89,29 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
 
 
 def ingress_options(settings: Settings) -> dict[str, Any]:
-    """``IngressDeployment.options(...)``: one light replica (no CPU reserved: it only waits on I/O)
-    that takes every request the engine replicas can hold or queue, plus health and model calls."""
+    """``IngressDeployment.options(...)`` from settings (pure; no Ray needed).
+
+    Light replicas (no CPU reserved: an ingress only awaits I/O), autoscaled on ongoing requests per
+    replica between 1 (``/health`` must always answer) and ``autoscaling.max_ingress_replicas``,
+    aiming at ``ingress_target_ongoing_requests``: many more than an engine replica runs, so the
+    ingress relays for several engine replicas before it adds one and is never what limits
+    throughput. Each replica takes every request the engine replicas can hold or queue, plus health
+    and model calls, so a burst that comes faster than the upscale delay is relayed, not refused.
+    """
+    scaling = settings.autoscaling
     engine = deployment_options(settings)
-    queued = max(0, settings.autoscaling.max_queued_requests)
-    capacity = settings.autoscaling.max_replicas * engine["max_ongoing_requests"] + queued
+    queued = max(0, scaling.max_queued_requests)
+    capacity = scaling.max_replicas * engine["max_ongoing_requests"] + queued
+    target = float(scaling.ingress_target_ongoing_requests)
     return {
-        "num_replicas": 1,
-        "max_ongoing_requests": max(100, capacity + 32),
+        "autoscaling_config": {
+            "min_replicas": 1,
+            "max_replicas": scaling.max_ingress_replicas,
+            "target_ongoing_requests": target,
+            "upscale_delay_s": scaling.upscale_delay_s,
+            "downscale_delay_s": scaling.downscale_delay_s,
+        },
+        "max_ongoing_requests": max(100, capacity + 32, math.ceil(target)),
         "ray_actor_options": {"num_cpus": 0},
     }
 

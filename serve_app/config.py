@@ -193,6 +193,15 @@ class AutoscalingSettings(_Section):
         64, ge=-1, description="Requests Serve queues per deployment before answering 503 (-1 = no bound)."
     )
     replica_num_cpus: float = Field(2.0, gt=0, description="CPUs each engine replica reserves in Ray.")
+    max_ingress_replicas: int = Field(
+        4, ge=1, description="Most HTTP ingress replicas (at least 1 always runs; they reserve no CPU)."
+    )
+    ingress_target_ongoing_requests: float = Field(
+        64.0,
+        gt=0,
+        description="Ongoing requests per ingress replica the autoscaler aims for: an ingress only relays "
+        "I/O, so it holds many more than an engine replica runs before it adds a replica.",
+    )
 
 
 class TelemetrySettings(_Section):
@@ -270,7 +279,7 @@ class Settings(BaseSettings):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="Request defaults.")
     server: ServerSettings = Field(default_factory=ServerSettings, description="HTTP server.")
     autoscaling: AutoscalingSettings = Field(
-        default_factory=AutoscalingSettings, description="Engine replicas: autoscaling and overload."
+        default_factory=AutoscalingSettings, description="Engine and ingress replicas: autoscaling, overload."
     )
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings, description="Tracing.")
     stats: StatsSettings = Field(

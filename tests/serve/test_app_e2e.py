@@ -69,10 +69,41 @@ def test_deployment_options_follow_settings() -> None:
     assert options["max_ongoing_requests"] == 16 + 4
     assert options["max_queued_requests"] == -1
     assert options["ray_actor_options"] == {"num_cpus": 1.5}
-    assert ingress_options(custom)["ray_actor_options"] == {"num_cpus": 0}
-    assert ingress_options(custom)["max_ongoing_requests"] >= 4 * 20
     with pytest.raises(ValueError, match="min_replicas"):
         deployment_options(Settings(autoscaling={"min_replicas": 3, "max_replicas": 2}))
+
+
+def test_ingress_options_autoscale_and_take_what_the_engines_hold() -> None:
+    ingress = ingress_options(Settings())
+    assert "num_replicas" not in ingress  # autoscaled, not one fixed replica
+    assert ingress["autoscaling_config"] == {
+        "min_replicas": 1,  # never 0: /health must answer
+        "max_replicas": 4,
+        "target_ongoing_requests": 64.0,
+        "upscale_delay_s": 10.0,
+        "downscale_delay_s": 120.0,
+    }
+    assert ingress["ray_actor_options"] == {"num_cpus": 0}
+    assert ingress["max_ongoing_requests"] == 1 * 10 + 64 + 32  # engine capacity + queue + margin
+    custom = Settings(
+        cache={"max_slots": 16},
+        autoscaling={
+            "max_replicas": 4,
+            "max_ingress_replicas": 2,
+            "ingress_target_ongoing_requests": 100,
+            "upscale_delay_s": 1,
+        },
+    )
+    ingress = ingress_options(custom)
+    scaling = ingress["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 2)
+    assert scaling["target_ongoing_requests"] == 100.0 and scaling["upscale_delay_s"] == 1.0
+    # one replica takes all 4 engines' requests (4 x 20) and the queue: a burst is relayed, not refused
+    assert ingress["max_ongoing_requests"] == 4 * 20 + 64 + 32
+    alone = Settings(autoscaling={"ingress_target_ongoing_requests": 500})
+    assert ingress_options(alone)["max_ongoing_requests"] == 500  # never below its target
+    with pytest.raises(ValueError, match="max_ingress_replicas"):
+        build_app({"autoscaling.max_ingress_replicas": 0})
 
 
 def test_build_app_validates_its_arguments() -> None:
