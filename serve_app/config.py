@@ -205,13 +205,27 @@ class AutoscalingSettings(_Section):
 
 
 class TelemetrySettings(_Section):
-    exporter: Literal["none", "console", "otlp"] = Field("none", description="Where traces go.")
+    """OpenTelemetry tracing (``serve_app.observability.tracing``).
+
+    The standard OpenTelemetry variables win over these settings, as OpenTelemetry's own rule has
+    it: ``OTEL_SERVICE_NAME`` (or a ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``) over
+    ``service_name``; ``OTEL_TRACES_EXPORTER`` (a comma-separated list of ``otlp``, ``console``,
+    ``none``) over ``exporter``, where an unknown name is logged and ignored (no valid name left: this
+    ``exporter``); ``OTEL_RESOURCE_ATTRIBUTES`` adds resource attributes; with no ``otlp_endpoint``
+    the OTLP exporter reads ``OTEL_EXPORTER_OTLP_*``.
+    """
+
+    exporter: Literal["none", "console", "otlp"] = Field(
+        "none", description="Where traces go (OTEL_TRACES_EXPORTER, when set, wins)."
+    )
     otlp_endpoint: str | None = Field(
         None,
         description="OTLP collector endpoint, e.g. http://collector:4317 (grpc) or :4318/v1/traces (http).",
     )
     otlp_protocol: Literal["grpc", "http"] = Field("grpc", description="OTLP transport.")
-    service_name: str = Field("specserve", description="service.name resource attribute.")
+    service_name: str = Field(
+        "specserve", description="service.name resource attribute (OTEL_SERVICE_NAME, when set, wins)."
+    )
 
 
 class StatsSettings(_Section):

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from serve_app.api import protocol as p
 from serve_app.api.errors import APIError, ApiKeyMiddleware, install_error_handlers
 from serve_app.config import ServerSettings
+from serve_app.observability import tracing as otel
 from serve_app.wire import EngineClient, EngineInfo, GenerateChunk, GenerateError, GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -73,31 +74,43 @@ class _Outcome:
 class _Span:
     """A request's root span (GenAI semantic conventions); a no-op without a tracer."""
 
-    def __init__(self, tracer: Any, request: Request, op: str, model: str) -> None:
-        self.span = None
+    def __init__(self, tracer: Any, request: Request, op: str, model: str, stream: bool) -> None:
+        self.span, self.op, self.model, self.stream = None, op, model, stream
+        self.t0, self.ttft = time.perf_counter(), None  # ttft: seconds to the first token, once seen
         if tracer is not None:
             parent = propagate.extract(dict(request.headers))  # continues a client's trace, if sent
             attrs = {"gen_ai.operation.name": op, "gen_ai.request.model": model}
-            name = f"{op} {model}"
+            attrs["gen_ai.provider.name"] = otel.GEN_AI_PROVIDER
+            name = otel.gen_ai_span_name(op, model)
             self.span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attrs)
 
-    def start(self, greq: GenerateRequest) -> GenerateRequest:
+    def start(self, greq: GenerateRequest, info: EngineInfo) -> GenerateRequest:
         """Record the request's parameters; returns ``greq`` carrying this span's W3C context."""
         if self.span is None:
             return greq
         s = greq.sampling
-        asked = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p}
-        self.span.set_attributes({f"gen_ai.request.{k}": v for k, v in asked.items()})
-        self.span.set_attribute("gen_ai.response.id", greq.request_id)
+        attrs = otel.gen_ai_request_attributes(
+            self.op, self.model, s.max_tokens, s.temperature, s.top_p,
+            top_k=s.top_k, seed=s.seed, stop_sequences=s.stop, stream=self.stream,
+        )  # fmt: skip
+        self.span.set_attributes({**attrs, "gen_ai.response.id": greq.request_id})
+        self.span.set_attribute("gen_ai.response.model", info.model)
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(self.span))
         return dataclasses.replace(greq, trace_context=carrier)
+
+    def saw(self, chunk: GenerateChunk) -> None:
+        """Note the time to the first token when ``chunk`` is the first to carry one."""
+        if self.ttft is None and chunk.token_ids:
+            self.ttft = time.perf_counter() - self.t0
 
     def end(self, outcome: _Outcome | None = None, error: BaseException | None = None) -> None:
         span, self.span = self.span, None
         if span is None:
             return
-        attrs: dict[str, Any] = {}
+        attrs: dict[str, Any] = {otel.TIME_TO_FIRST_TOKEN: self.ttft}
+        if self.stream:  # the conventions' attribute is defined for streamed responses only
+            attrs[otel.TIME_TO_FIRST_CHUNK] = self.ttft
         if outcome is not None:
             attrs["gen_ai.usage.input_tokens"] = outcome.prompt_tokens
             attrs["gen_ai.usage.output_tokens"] = outcome.completion_tokens
@@ -205,12 +218,13 @@ class _Ingress:
 
     async def handle(self, body: p.CompletionRequest | p.ChatCompletionRequest, request: Request) -> Response:
         chat = isinstance(body, p.ChatCompletionRequest)
-        span = _Span(self.tracer, request, "chat" if chat else "text_completion", body.model)
+        op = "chat" if chat else "text_completion"
+        span = _Span(self.tracer, request, op, body.model, bool(body.stream))
         try:
             info = await self.info()
             self.check_model(info, body.model)
             rid, limit = p.new_request_id(chat), min(info.max_tokens_limit, self.settings.max_tokens_limit)
-            greq = span.start(p.to_generate_request(body, info, request_id=rid, max_tokens_limit=limit))
+            greq = span.start(p.to_generate_request(body, info, request_id=rid, max_tokens_limit=limit), info)
             if body.stream:
                 return await self._stream(greq, body, span, request)
             return await self._complete(greq, body, span, request)
@@ -225,6 +239,7 @@ class _Ingress:
             async for chunk in stream:
                 if chunk.error is not None:
                     raise APIError.from_generate_error(chunk.error)
+                span.saw(chunk)
                 out.add(chunk)
                 if chunk.finished:
                     return
@@ -254,6 +269,7 @@ class _Ingress:
 
         async def first_chunk() -> None:
             got.append(await anext(aiter(stream), None) or _ENDED_EARLY)
+            span.saw(got[0])
 
         try:
             error = self._http_error(await _guarded(request, self.timeout, first_chunk))
@@ -283,6 +299,7 @@ class _Ingress:
                 if chat:
                     yield event("", first=True)
                 while chunk.error is None:
+                    span.saw(chunk)  # a no-op after the first chunk, which carries the first token
                     out.add(chunk)
                     if chunk.text:
                         yield event(chunk.text)

@@ -1,4 +1,4 @@
-"""The spans of one request inside a replica: ``queue`` (arrival to first output) and ``decode``.
+"""The spans of one request inside a replica: ``queue``, ``prefill`` and ``decode``.
 
 ``RequestSpans`` is what the replica's loop feeds; ``DecodeSpanRecorder`` makes the one ``decode``
 span per request, with the speculation outcome of its steps aggregated into a bounded number of
@@ -214,16 +214,26 @@ def _wall_ns(perf_time: float) -> int:
 class RequestSpans:
     """The spans of one request in this replica (no-ops unless a tracer provider exports them).
 
-    ``queue`` runs from arrival to the first output (waiting for a slot, then the prefill); the
-    ``decode`` span (a ``DecodeSpanRecorder``) from there to the end, with the speculation
-    outcome of every step aggregated into span events.
+    Three siblings, children of the ingress's root span, one after the other:
+
+    - ``queue``: arrival at the replica to the moment the request got its KV slot
+      (``RequestOutput.scheduled_time``);
+    - ``prefill``: from the KV slot to the first output (the prompt's forward pass and the first
+      token), with the prompt's token count;
+    - ``decode`` (a ``DecodeSpanRecorder``): from the first output to the end, with the speculation
+      outcome of every step aggregated into span events.
+
+    Each carries ``gen_ai.response.id``. A request that ends before its first output has only its
+    ``queue`` span, which then records the reason (and the error, if any).
     """
 
     def __init__(self, tracer: Any, carrier: dict[str, str], request_id: str) -> None:
         self._tracer = tracer
         self._parent = extract_context(carrier or {})
+        self._ids = {"gen_ai.response.id": request_id}
+        self._arrival_ns = time.time_ns()
         self._queue_span = tracer.start_span(
-            "queue", context=self._parent, attributes={"gen_ai.response.id": request_id}
+            "queue", context=self._parent, attributes=self._ids, start_time=self._arrival_ns
         )
         self._recorder: Any = None
         self._done = False
@@ -232,10 +242,7 @@ class RequestSpans:
         """A ``RequestOutput`` made by the step that ended at ``at_perf`` (``time.perf_counter()``);
         ``first``: the request's first output (its prefill)."""
         if first:
-            at = _wall_ns(at_perf)
-            self._queue_span.set_attribute("gen_ai.usage.input_tokens", output.prompt_tokens)
-            self._queue_span.end(end_time=at)
-            self._recorder = DecodeSpanRecorder(self._tracer, self._parent, start_time=at)
+            self._end_prefill(output, at_perf)
         elif self._recorder is not None:
             drafted = output.step_drafted
             self._recorder.on_step(
@@ -244,6 +251,23 @@ class RequestSpans:
         if output.finished:
             stats = output.spec_stats.as_dict() if output.spec_stats is not None else None
             self._finish(stats, output.finish_reason, None, _wall_ns(at_perf))
+
+    def _end_prefill(self, output: Any, at_perf: float) -> None:
+        """Close ``queue`` at the KV slot, make ``prefill`` from there to now, and open ``decode``."""
+        # An output without a slot time (an engine that does not stamp it) leaves the whole wait
+        # to the queue span and an empty prefill at its end.
+        scheduled = output.scheduled_time
+        at = _wall_ns(at_perf)
+        # Clamped into [arrival, first output]: the two clocks are converted at different moments.
+        slot_ns = _wall_ns(scheduled) if scheduled is not None else at
+        slot_ns = min(max(slot_ns, self._arrival_ns), at)
+        self._queue_span.end(end_time=slot_ns)
+        attributes = {**self._ids, "gen_ai.usage.input_tokens": output.prompt_tokens}
+        prefill = self._tracer.start_span(
+            "prefill", context=self._parent, attributes=attributes, start_time=slot_ns
+        )
+        prefill.end(end_time=at)
+        self._recorder = DecodeSpanRecorder(self._tracer, self._parent, attributes=self._ids, start_time=at)
 
     def close(self, reason: str, error: Any = None) -> None:
         """The request ended without a final output: an error (a ``GenerateError``), an abort or a

@@ -9,6 +9,10 @@ decoding is ONE ``decode`` span with a bounded number of span events
 Attributes follow the OpenTelemetry GenAI semantic conventions (``gen_ai.*``) and add
 ``specserve.*`` for speculation (proposer, drafted, accepted, acceptance rate, ...).
 
+The standard variables are honoured, and win over the settings as OpenTelemetry's rule has it:
+``OTEL_SERVICE_NAME`` (and ``OTEL_RESOURCE_ATTRIBUTES``) for the resource, ``OTEL_TRACES_EXPORTER``
+for the exporter (:func:`traces_exporters`), ``OTEL_EXPORTER_OTLP_*`` read by the OTLP exporter.
+
 This module imports neither Ray nor FastAPI: the engine receives a tracer through its constructor
 and both the ingress and the replicas call :func:`setup_tracing` once per process.
 """
@@ -16,13 +20,14 @@ and both the ingress and the replicas call :func:`setup_tracing` once per proces
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
@@ -38,8 +43,18 @@ from serve_app.config import TelemetrySettings
 logger = logging.getLogger(__name__)
 
 TRACER_NAME = "specserve"
-GEN_AI_PROVIDER = "specserve"  # gen_ai.provider.name (and the deprecated gen_ai.system)
+# gen_ai.provider.name (and the deprecated gen_ai.system). The conventions' well-known values name
+# hosted providers (openai, aws.bedrock, ...) and select their provider-specific attributes; none
+# fits a self-hosted server, so ours is a custom value, as the conventions allow.
+GEN_AI_PROVIDER = "specserve"
 SPECULATION_EVENT = "specserve.speculation"
+# Seconds from the request reaching the ingress to its first token. The conventions define
+# gen_ai.response.time_to_first_chunk for streamed responses only; this one is set on every request.
+TIME_TO_FIRST_TOKEN = "specserve.time_to_first_token_s"
+TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
+
+TRACES_EXPORTER_ENV = "OTEL_TRACES_EXPORTER"
+TRACES_EXPORTERS = ("otlp", "console", "none")  # the values OTEL_TRACES_EXPORTER may list
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _GLOBAL_LOCK = threading.Lock()
@@ -66,11 +81,46 @@ def resolve_otlp_endpoint(endpoint: str | None, protocol: str) -> str | None:
     return endpoint
 
 
-def _build_exporter(settings: TelemetrySettings) -> SpanExporter | None:
-    if settings.exporter == "none":
-        return None
-    if settings.exporter == "console":
-        return ConsoleSpanExporter(service_name=settings.service_name)
+def traces_exporters(settings: TelemetrySettings) -> tuple[str, ...]:
+    """The exporters to build (``"otlp"``, ``"console"``; empty for none).
+
+    ``OTEL_TRACES_EXPORTER`` wins when set: a comma-separated list of ``otlp``, ``console`` and
+    ``none``. An unknown name is logged and ignored, as OpenTelemetry's configuration rule asks of
+    invalid values (a typo must not stop a replica from serving); when no valid name is left the
+    settings' ``exporter`` applies.
+    """
+    raw = os.environ.get(TRACES_EXPORTER_ENV, "").strip()
+    names = [name.strip().lower() for name in raw.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TRACES_EXPORTERS]
+    known = [name for name in names if name in TRACES_EXPORTERS]
+    if unknown:
+        logger.warning(
+            "%s=%r: ignoring unknown exporter(s) %s (supported: %s); using %s",
+            TRACES_EXPORTER_ENV,
+            raw,
+            ", ".join(unknown),
+            ", ".join(TRACES_EXPORTERS),
+            ", ".join(known) if known else f"the settings' exporter ({settings.exporter})",
+        )
+    if not known:
+        known = [settings.exporter]
+    return tuple(dict.fromkeys(name for name in known if name != "none"))
+
+
+def tracing_resource(settings: TelemetrySettings) -> Resource:
+    """The provider's resource: ``OTEL_RESOURCE_ATTRIBUTES``, and a ``service.name``.
+
+    ``service.name`` is ``OTEL_SERVICE_NAME`` when set, else one given in
+    ``OTEL_RESOURCE_ATTRIBUTES``, else ``settings.service_name``: the environment wins.
+    """
+    from_env = OTELResourceDetector().detect().attributes.get(SERVICE_NAME)
+    # Resource.create reads the OTEL_* variables itself, but what it is given overrides them.
+    return Resource.create({} if from_env else {SERVICE_NAME: settings.service_name})
+
+
+def _build_exporter(name: str, settings: TelemetrySettings, service_name: str) -> SpanExporter:
+    if name == "console":
+        return ConsoleSpanExporter(service_name=service_name)
     endpoint = resolve_otlp_endpoint(settings.otlp_endpoint, settings.otlp_protocol)
     # Imported here: each transport pulls in its own stack (grpcio or requests). Neither connects
     # at construction; the first export does.
@@ -103,12 +153,14 @@ def setup_tracing(
 ) -> TracerProvider:
     """Build a tracer provider for ``settings`` and return it.
 
-    The provider carries the resource ``service.name = settings.service_name``. Spans go to:
+    The provider carries the resource of :func:`tracing_resource` (``service.name`` from
+    ``OTEL_SERVICE_NAME``, else ``settings.service_name``). Spans go to:
 
     - ``exporter`` when one is given (tests pass an ``InMemorySpanExporter``), through a
       ``SimpleSpanProcessor`` so that each span is exported the moment it ends;
-    - otherwise the exporter ``settings.exporter`` names, through a ``BatchSpanProcessor``:
-      ``console`` prints spans to stdout, ``otlp`` sends them to ``settings.otlp_endpoint`` over
+    - otherwise the exporters of :func:`traces_exporters` (``OTEL_TRACES_EXPORTER``, else
+      ``settings.exporter``), each through a ``BatchSpanProcessor``: ``console`` prints spans to
+      stdout, ``otlp`` sends them to ``settings.otlp_endpoint`` (else ``OTEL_EXPORTER_OTLP_*``) over
       gRPC or HTTP; ``none`` adds no processor at all (spans are still created, so trace ids still
       propagate, but nothing is exported).
 
@@ -116,13 +168,14 @@ def setup_tracing(
     only: OpenTelemetry never replaces a global provider, so a later call logs a warning and
     returns its new provider without installing it. Call ``provider.shutdown()`` to flush.
     """
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: settings.service_name}))
+    resource = tracing_resource(settings)
+    provider = TracerProvider(resource=resource)
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
-        built = _build_exporter(settings)
-        if built is not None:
-            provider.add_span_processor(BatchSpanProcessor(built))
+        service_name = str(resource.attributes.get(SERVICE_NAME, settings.service_name))
+        for name in traces_exporters(settings):
+            provider.add_span_processor(BatchSpanProcessor(_build_exporter(name, settings, service_name)))
     if set_global:
         _set_global_provider(provider)
     return provider
@@ -192,9 +245,22 @@ def gen_ai_span_name(operation: str, model: str) -> str:
 
 
 def gen_ai_request_attributes(
-    operation: str, model: str, max_tokens: int, temperature: float, top_p: float
+    operation: str,
+    model: str,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    *,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop_sequences: Sequence[str] = (),
+    stream: bool | None = None,
 ) -> dict[str, AttributeValue]:
-    """GenAI request attributes; ``operation`` is ``"chat"`` or ``"text_completion"``."""
+    """GenAI request attributes; ``operation`` is ``"chat"`` or ``"text_completion"``.
+
+    The optional ones are left out when unset: ``top_k`` 0 (the filter is off), no ``seed``, no stop
+    sequences, ``stream`` None. ``gen_ai.request.top_k`` is a double in the conventions.
+    """
     return clean_attributes(
         {
             "gen_ai.operation.name": operation,
@@ -204,6 +270,10 @@ def gen_ai_request_attributes(
             "gen_ai.request.max_tokens": max_tokens,
             "gen_ai.request.temperature": temperature,
             "gen_ai.request.top_p": top_p,
+            "gen_ai.request.top_k": float(top_k) if top_k > 0 else None,
+            "gen_ai.request.seed": seed,
+            "gen_ai.request.stop_sequences": tuple(stop_sequences) or None,
+            "gen_ai.request.stream": stream,
         }
     )
 

@@ -321,18 +321,18 @@ def test_spans_continue_the_callers_trace(make_async) -> None:
     chunks = asyncio.run(collect(engine, request("traced", "The dog", params, trace_context=carrier)))
     assert chunks[-1].finished
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert {"chat tiny", "queue", "decode"} <= set(spans)
+    assert {"chat tiny", "queue", "prefill", "decode"} <= set(spans)
     root_id = root.get_span_context().span_id
-    for name in ("queue", "decode"):
+    for name in ("queue", "prefill", "decode"):
         assert spans[name].parent is not None and spans[name].parent.span_id == root_id
         assert spans[name].context.trace_id == root.get_span_context().trace_id
-    queue, decode = spans["queue"], spans["decode"]
-    assert queue.end_time <= decode.start_time + 1_000 and decode.start_time <= decode.end_time
+    queue, prefill, decode = spans["queue"], spans["prefill"], spans["decode"]
+    assert queue.end_time == prefill.start_time <= prefill.end_time == decode.start_time <= decode.end_time
     attrs = decode.attributes
     assert attrs["specserve.drafted"] == chunks[-1].speculation["drafted"] > 0
     assert attrs["specserve.proposer"] == "draft"
     assert attrs["gen_ai.response.finish_reasons"] == ("length",)
-    assert attrs["specserve.emitted_tokens"] == 40 - 1  # the prefill's token is the queue span's
+    assert attrs["specserve.emitted_tokens"] == 40 - 1  # the first token is the prefill span's
     assert decode.events and decode.events[0].name == "specserve.speculation"
     assert trace.get_current_span() is trace.INVALID_SPAN
 
