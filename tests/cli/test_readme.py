@@ -61,6 +61,7 @@ SYNOPSES = {
     ],
 }
 SERVED = "test_make_serve_then_the_readme_clients"  # runs these against `make serve`
+SERVE_BUILD = "tests/serve/test_serve_entry.py (serve build; serve deploy of its output to a local cluster)"
 ELSEWHERE = {
     "make serve": SERVED,
     (
@@ -78,6 +79,12 @@ ELSEWHERE = {
     ".venv/bin/specserve loadtest --policies plain static goodput --users 1 4 --run-time 60": (
         "tests/loadtest/test_smoke.py (the same command on SmolLM2 with fewer users and seconds)"
     ),
+    (
+        "SPECSERVE_MODEL__TARGET=smollm2-135m-instruct SPECSERVE_SPECULATION__METHOD=ngram "
+        ".venv/bin/serve build serve_app.serve_entry:app -o serve_config.yaml"
+    ): SERVE_BUILD,
+    ".venv/bin/serve deploy serve_config.yaml -a http://HEAD_NODE:8265": SERVE_BUILD,
+    ".venv/bin/serve status -a http://HEAD_NODE:8265": SERVE_BUILD,
 }
 NEEDS_A_CLUSTER = (  # docker / kubectl / helm / kind: no Docker engine or cluster on these machines
     "docker ",
