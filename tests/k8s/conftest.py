@@ -1,4 +1,5 @@
-"""Fixtures for the k8s/ manifest tests: each overlay rendered once (no cluster, no Ray started)."""
+"""Fixtures for the k8s/ manifest tests: each overlay and k8s/monitoring rendered once (no cluster, no Ray
+started)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ from tests.k8s.helpers import K8S, OVERLAYS, find, render_kustomization
 def rendered() -> dict[str, list[dict[str, Any]]]:
     """Every overlay as `kustomize build` renders it (our renderer; kubectl is checked against it)."""
     return {name: render_kustomization(K8S / "overlays" / name) for name in OVERLAYS}
+
+
+@pytest.fixture(scope="session")
+def monitoring() -> list[dict[str, Any]]:
+    """k8s/monitoring rendered (ServiceMonitor, PodMonitor, PrometheusRule, the dashboard ConfigMap)."""
+    return render_kustomization(K8S / "monitoring")
 
 
 @pytest.fixture(params=OVERLAYS)

@@ -1,11 +1,13 @@
-"""Offline checks of the k8s/ manifests: a small kustomize renderer, the KubeRay CRD schemas as JSON
-Schema (with the API server's null-dropping and defaulting), and Kubernetes' own schemas."""
+"""Offline checks of the k8s/ manifests: a small kustomize renderer, the KubeRay and Prometheus
+Operator CRD schemas as JSON Schema (with the API server's null-dropping and defaulting), and
+Kubernetes' own schemas."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,6 +23,14 @@ OVERLAYS = ("cpu", "gpu")
 # Kubernetes version whose schemas (from kubernetes-validate) the built-in objects must satisfy.
 K8S_VERSION = "1.32.0"
 CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+# The Prometheus Operator's CRDs (k8s/monitoring), kept in the repository: tests/k8s/schemas/ (each
+# file's header names its source and version).
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+MONITORING_CRD_FILES = {
+    "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
+    "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
+    "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
+}
 
 
 def load_docs(path: Path) -> list[dict[str, Any]]:
@@ -42,7 +52,9 @@ def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict
 
 # The kustomization features our overlays use; anything else is an error here, so that a new
 # feature cannot slip past this renderer (and kubectl, where present, checks we agree with it).
-_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches", "images"}
+_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches", "images", "configMapGenerator"}
+_GENERATOR_KEYS = {"name", "files", "options"}
+_GENERATOR_OPTIONS = {"labels", "annotations", "disableNameSuffixHash"}
 
 
 def strategic_merge(base: Any, patch: Any) -> Any:
@@ -97,9 +109,31 @@ def _new_image(image: str, rules: list[dict[str, Any]]) -> str:
     return image
 
 
+def generated_config_map(directory: Path, generator: dict[str, Any]) -> dict[str, Any]:
+    """A ``configMapGenerator`` entry's ConfigMap: ``files`` (``path`` or ``key=path``) as data, the
+    options' labels and annotations. Only without the name's hash suffix (kustomize's hash is not
+    reproduced here)."""
+    options = generator.get("options", {})
+    unknown = (set(generator) - _GENERATOR_KEYS) | (set(options) - _GENERATOR_OPTIONS)
+    if unknown:
+        raise NotImplementedError(f"{directory}: generator keys this renderer lacks: {sorted(unknown)}")
+    if options.get("disableNameSuffixHash") is not True:
+        raise NotImplementedError(f"{directory}: {generator['name']} needs disableNameSuffixHash: true")
+    data = {}
+    for entry in generator.get("files", []):
+        data_key, _, path = entry.rpartition("=")
+        data[data_key or Path(path).name] = (directory / path).read_text()
+    metadata: dict[str, Any] = {"name": generator["name"]}
+    for meta in ("labels", "annotations"):
+        if options.get(meta):
+            metadata[meta] = dict(options[meta])
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
+
+
 def render_kustomization(directory: Path) -> list[dict[str, Any]]:
     """Our own ``kustomize build`` for the subset k8s/ uses: resources (files and directories),
-    strategic-merge ``patches`` (by the patch's kind and name, or a ``target``) and ``images``."""
+    ``configMapGenerator`` (files, no hash suffix), strategic-merge ``patches`` (by the patch's kind
+    and name, or a ``target``) and ``images``."""
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unknown = set(spec) - _KUSTOMIZATION_KEYS
     if unknown:
@@ -108,6 +142,7 @@ def render_kustomization(directory: Path) -> list[dict[str, Any]]:
     for entry in spec.get("resources", []):
         path = (directory / entry).resolve()
         docs.extend(render_kustomization(path) if path.is_dir() else load_docs(path))
+    docs.extend(generated_config_map(directory, g) for g in spec.get("configMapGenerator", []))
     seen = [key(d) for d in docs]
     if len(seen) != len(set(seen)):
         raise ValueError(f"{directory}: duplicate resources {sorted(s for s in seen if seen.count(s) > 1)}")
@@ -154,6 +189,8 @@ def crd_dir() -> Path:
 
 def crd_path(kind: str) -> Path:
     """The CRD file for ``kind``: skip the test where it is missing, but fail under CI=true."""
+    if kind in MONITORING_CRD_FILES:  # in the repository: always there
+        return SCHEMAS / MONITORING_CRD_FILES[kind]
     path = crd_dir() / CRD_FILES[kind]
     if not path.is_file():
         reason = (
@@ -198,6 +235,10 @@ def to_json_schema(node: Any, strict: bool) -> Any:
             out[k] = to_json_schema(v, strict)
         elif k.startswith("x-kubernetes-") or k in ("nullable", "default", "description", "example"):
             continue
+        elif k == "pattern" and isinstance(v, str):
+            # Go's regexp takes a flag group anywhere (the Prometheus Operator's `^(?i)...`);
+            # Python's only at the start
+            out[k] = re.sub(r"^\^(\(\?[a-z]+\))", r"\1^", v)
         else:
             out[k] = v
     if node.get("nullable") and isinstance(out.get("type"), str):
@@ -237,7 +278,8 @@ def _crd_validator(path: Path, strict: bool) -> jsonschema.Draft7Validator:
 
 
 def crd_errors(obj: dict[str, Any], strict: bool) -> list[str]:
-    """Every violation of ``obj`` (a RayService or RayCluster) against its CRD's v1 schema."""
+    """Every violation of ``obj`` (a RayService, a RayCluster or a monitoring.coreos.com object)
+    against its CRD's v1 schema."""
     path = crd_path(obj["kind"])
     prepared = api_server_defaults(obj, _openapi_schema(path))
     errors = _crd_validator(path, strict).iter_errors(prepared)

@@ -1,8 +1,11 @@
-"""k8s/: every manifest parses, the overlays compose, and every object validates offline against the
-real schemas: KubeRay's CRDs (``../shared/kuberay``) and Kubernetes' (kubernetes-validate)."""
+"""k8s/: every manifest parses, the overlays and k8s/monitoring compose, and every object validates
+offline against the real schemas: KubeRay's CRDs (``../shared/kuberay``), the Prometheus Operator's
+(``tests/k8s/schemas``) and Kubernetes' (kubernetes-validate)."""
 
 from __future__ import annotations
 
+import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,12 @@ EXPECTED = {
     ("v1", "Service", "specserve-otel-collector"),
     ("v1", "PersistentVolumeClaim", "specserve-model-cache"),
 }
+MONITORING = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor", "specserve"),
+    ("monitoring.coreos.com/v1", "PodMonitor", "specserve-ray"),
+    ("monitoring.coreos.com/v1", "PrometheusRule", "specserve"),
+    ("v1", "ConfigMap", "specserve-grafana-dashboard"),
+}
 
 
 def manifest_files() -> list[Path]:
@@ -63,9 +72,13 @@ def test_overlay_renders_every_object(name: str, rendered: dict[str, list[dict[s
     assert {key(d) for d in rendered[name]} == EXPECTED
 
 
-def test_every_manifest_file_is_used_by_an_overlay(rendered: dict[str, list[dict[str, Any]]]) -> None:
+def test_monitoring_renders_every_object(monitoring: list[dict[str, Any]]) -> None:
+    assert {key(d) for d in monitoring} == MONITORING
+
+
+def test_every_manifest_file_is_used_by_a_kustomization() -> None:
     referenced: set[Path] = set()
-    for directory in [K8S / "base", *(K8S / "overlays" / n for n in OVERLAYS)]:
+    for directory in [K8S / "base", K8S / "monitoring", *(K8S / "overlays" / n for n in OVERLAYS)]:
         spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
         referenced |= {(directory / r).resolve() for r in spec.get("resources", [])}
         referenced |= {(directory / p["path"]).resolve() for p in spec.get("patches", []) if "path" in p}
@@ -79,6 +92,27 @@ def test_our_renderer_agrees_with_kustomize(name: str, rendered: dict[str, list[
     if theirs is None:
         pytest.skip("neither kubectl nor kustomize is installed; our renderer stands alone")
     assert {key(d): d for d in theirs} == {key(d): d for d in rendered[name]}
+
+
+def test_our_renderer_agrees_with_kustomize_on_monitoring(monitoring: list[dict[str, Any]]) -> None:
+    """The configMapGenerator too: kustomize's ConfigMap is ours, byte for byte in its data."""
+    theirs = kubectl_kustomize(K8S / "monitoring")
+    if theirs is None:
+        pytest.skip("neither kubectl nor kustomize is installed; our renderer stands alone")
+    assert {key(d): d for d in theirs} == {key(d): d for d in monitoring}
+
+
+def test_monitoring_composes_with_an_overlay(tmp_path: Path) -> None:
+    """An overlay that adds k8s/monitoring to its resources (README) renders both, nothing twice."""
+    # relative paths: kustomize refuses absolute ones
+    resources = [os.path.relpath(K8S / d, tmp_path) for d in ("overlays/cpu", "monitoring")]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": resources}))
+    docs = render_kustomization(tmp_path)
+    assert {key(d) for d in docs} == EXPECTED | MONITORING
+    assert len(docs) == len(EXPECTED | MONITORING)
+    theirs = kubectl_kustomize(tmp_path)
+    if theirs is not None:
+        assert {key(d): d for d in theirs} == {key(d): d for d in docs}
 
 
 def test_gpu_overlay_patches_the_model_cache(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -100,6 +134,9 @@ def test_renderer_primitives(tmp_path: Path) -> None:
     )
     (pod,) = render_kustomization(tmp_path)
     assert [c["image"] for c in pod["spec"]["containers"]] == ["reg.example/team/specserve:1", "redis:7"]
+    (tmp_path / "kustomization.yaml").write_text("configMapGenerator: [{name: c, files: [k=pod.yaml]}]\n")
+    with pytest.raises(NotImplementedError, match="disableNameSuffixHash"):  # kustomize's hash: not ours
+        render_kustomization(tmp_path)
 
 
 # --------------------------------------------------------------------------------- KubeRay CRDs
@@ -163,15 +200,52 @@ def test_missing_crd_skips_outside_ci_and_fails_under_ci(
         helpers.crd_path("RayService")
 
 
+# --------------------------------------------------------------------------------- Prometheus Operator
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["as-served", "strict"])
+def test_monitoring_objects_validate_against_their_crds(
+    monitoring: list[dict[str, Any]], strict: bool
+) -> None:
+    checked = 0
+    for doc in monitoring:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            assert crd_errors(doc, strict=strict) == [], key(doc)
+            checked += 1
+    assert checked == 3
+
+
+def test_monitoring_crds_are_the_operators_v1_schemas() -> None:
+    rules = crd_schema("PrometheusRule")["properties"]["spec"]["properties"]["groups"]["items"]
+    rule = rules["properties"]["rules"]["items"]
+    assert rule["required"] == ["expr"] and "pattern" in rule["properties"]["for"]
+    endpoints = crd_schema("ServiceMonitor")["properties"]["spec"]["properties"]["endpoints"]
+    assert "relabelings" in endpoints["items"]["properties"]
+    assert "podMetricsEndpoints" in crd_schema("PodMonitor")["properties"]["spec"]["properties"]
+    for kind in helpers.MONITORING_CRD_FILES:
+        assert "operator.prometheus.io/version" in helpers.crd_path(kind).read_text()
+
+
+def test_broken_monitoring_objects_are_caught(monitoring: list[dict[str, Any]]) -> None:
+    service_monitor = copy.deepcopy(find(monitoring, "ServiceMonitor"))
+    service_monitor["spec"]["endpoint"] = service_monitor["spec"].pop("endpoints")
+    strict = crd_errors(service_monitor, strict=True)
+    assert any("'endpoint' was unexpected" in e for e in strict), strict  # strict: the unknown field
+    assert crd_errors(service_monitor, strict=False) == ["spec: 'endpoints' is a required property"]
+    rule = copy.deepcopy(find(monitoring, "PrometheusRule"))
+    rule["spec"]["groups"][0]["rules"][0]["for"] = "15 minutes"
+    assert any("for" in e for e in crd_errors(rule, strict=False))
+
+
 # --------------------------------------------------------------------------------- Kubernetes
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_builtin_objects_validate_against_kubernetes(
-    name: str, rendered: dict[str, list[dict[str, Any]]]
+    name: str, rendered: dict[str, list[dict[str, Any]]], monitoring: list[dict[str, Any]]
 ) -> None:
-    for doc in rendered[name]:
-        if doc["apiVersion"].startswith("ray.io/"):
+    for doc in rendered[name] + monitoring:
+        if doc["apiVersion"].startswith(("ray.io/", "monitoring.coreos.com/")):
             continue
         assert k8s_errors(doc, strict=True) == [], key(doc)
 
