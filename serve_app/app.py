@@ -169,17 +169,33 @@ class IngressDeployment:
     """The OpenAI-compatible HTTP API (FastAPI, built in the replica) in front of the engines."""
 
     def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]) -> None:
+        import os
+        import socket
+
+        from serve_app.builder import served_model_name
         from serve_app.handle_client import RayEngineClient
         from serve_app.observability import tracing
+        from serve_app.observability.metric_names import SERVE_QUEUE_FULL
+        from serve_app.observability.metrics import EngineMetrics
+        from serve_app.observability.prometheus_relay import PrometheusRelay
 
         self.settings = Settings(**settings)
-        self.client = RayEngineClient(engine, ENGINE_DEPLOYMENT)
+        # Serve's own queue refusals happen here, before any engine replica sees the request.
+        replica = f"ingress-{socket.gethostname()}-{os.getpid()}"
+        refusals = EngineMetrics(served_model_name(self.settings), backend="ray", replica=replica)
+        self.client = RayEngineClient(
+            engine, ENGINE_DEPLOYMENT, on_refused=lambda: refusals.on_refused(SERVE_QUEUE_FULL)
+        )
         self.tracer = tracing.get_tracer(tracing.setup_tracing(self.settings.telemetry))
+        self.metrics_relay = PrometheusRelay()  # GET /metrics: every node's engine series
 
     def __serve_build_asgi_app__(self) -> Any:
+        from serve_app.api.metrics_route import add_metrics_route
         from serve_app.api.routes import create_app
 
-        return create_app(self.client, self.settings.server, tracer=self.tracer)
+        app = create_app(self.client, self.settings.server, tracer=self.tracer)
+        add_metrics_route(app, self.metrics_relay.scrape)
+        return app
 
 
 # --------------------------------------------------------------------------------- application

@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 STUCK_AFTER_S = 120.0  # one loop iteration running longer than this means the loop is stuck
 MAX_CONSECUTIVE_FAILURES = 3  # failing steps in a row after which the engine reports unhealthy
 LOOP_THREAD = "specserve-engine-loop"
+GAUGE_REFRESH_S = 1.0  # an idle loop re-sets its gauges this often (Ray 2.60 evicts stale gauges)
 
 
 class AsyncEngine:
@@ -237,7 +238,8 @@ class AsyncEngine:
                 with self._wake:
                     while not self._stopping and self._commands.empty() and not self.engine.has_work():
                         self._busy_since = None
-                        self._wake.wait()
+                        if not self._wake.wait(GAUGE_REFRESH_S) and self.metrics is not None:
+                            self._publish_load()  # Ray drops a gauge that is not set again for seconds
                     if self._stopping:
                         break
                 self._busy_since = time.monotonic()

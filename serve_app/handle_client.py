@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -21,12 +21,15 @@ from serve_app.wire import EngineInfo, GenerateChunk, GenerateError, GenerateReq
 log = logging.getLogger(__name__)
 
 
-def _handle_error(exc: Exception) -> GenerateError:
-    """A failure of the handle call itself, as the engine would report it."""
+def _handle_error(exc: Exception, on_refused: Callable[[], None] | None = None) -> GenerateError:
+    """A failure of the handle call itself, as the engine would report it (``on_refused`` is told
+    when Serve's own queue in front of the replicas refused the request)."""
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
     if isinstance(exc, BackPressureError):
+        if on_refused is not None:
+            on_refused()
         return GenerateError(
             "The server is overloaded (request queue full); retry shortly.",
             type="overloaded_error",
@@ -47,8 +50,15 @@ def _handle_error(exc: Exception) -> GenerateError:
 class RayEngineClient:
     """``EngineClient`` over a handle to ``EngineDeployment`` (what the ingress app talks to)."""
 
-    def __init__(self, handle: DeploymentHandle, deployment: str, app_name: str | None = None) -> None:
+    def __init__(
+        self,
+        handle: DeploymentHandle,
+        deployment: str,
+        app_name: str | None = None,
+        on_refused: Callable[[], None] | None = None,  # Serve's queue was full (a metric)
+    ) -> None:
         self._handle = handle
+        self._on_refused = on_refused
         self._streaming = handle.options(stream=True)
         self._deployment = deployment  # the engine deployment's name, for the controller's view
         self._app_name = app_name
@@ -71,7 +81,7 @@ class RayEngineClient:
             )
         except Exception as exc:
             done = True
-            yield GenerateChunk(request.request_id, finished=True, error=_handle_error(exc))
+            yield GenerateChunk(request.request_id, finished=True, error=_handle_error(exc, self._on_refused))
         finally:
             if not done:
                 response.cancel()  # Serve raises CancelledError in the replica's generate()

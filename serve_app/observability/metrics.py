@@ -215,6 +215,7 @@ class EngineMetrics:
         self.model_name = model_name
         self.backend = backend
         self._model_tags = {"model_name": model_name, "replica": replica}
+        self._exact: float | None = None  # re-set with the load: Ray evicts gauges not set again
         self._spec_tags = {**self._model_tags, "policy": policy}
         if backend == "ray":
             self._sink: _Sink = _RaySink(METRICS)
@@ -298,14 +299,19 @@ class EngineMetrics:
         self._sink.inc(REQUESTS_REFUSED, 1, {**self._model_tags, "reason": reason})
 
     def set_load(self, running: int, queued: int, kv_cache_usage: float = 0.0) -> None:
-        """Set the gauges of running and waiting requests and of the KV cache's usage (0..1)."""
+        """Set the gauges of running and waiting requests and of the KV cache's usage (0..1), and
+        the exact-mode gauge again (Ray 2.60 evicts a gauge that is not set for a few seconds, so the
+        replica's loop calls this at least every second, idle or not)."""
         self._sink.set(NUM_RUNNING, float(running), self._model_tags)
         self._sink.set(NUM_WAITING, float(queued), self._model_tags)
         self._sink.set(KV_CACHE_USAGE, float(kv_cache_usage), self._model_tags)
+        if self._exact is not None:
+            self._sink.set(EXACT_MODE, self._exact, self._model_tags)
 
     def set_exact(self, exact: bool) -> None:
         """Set the exact-mode gauge: 1 when speculative output is bit-identical to plain decoding."""
-        self._sink.set(EXACT_MODE, 1.0 if exact else 0.0, self._model_tags)
+        self._exact = 1.0 if exact else 0.0
+        self._sink.set(EXACT_MODE, self._exact, self._model_tags)
 
     # reading back (memory backend) -------------------------------------------------------------
 

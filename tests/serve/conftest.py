@@ -22,7 +22,14 @@ def serve_http() -> Iterator[str]:
     from ray import serve
 
     port = free_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Metrics reach a node's exporter (and GET /metrics) within a second, as `specserve serve` sets it.
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
