@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from types import TracebackType
 
 from loadtest.analysis import GENERATION_TOKENS
+from loadtest.timeline import SpeculationTimeline
 
 ENGINE_DEPLOYMENT = "EngineDeployment"  # serve_app.app.ENGINE_DEPLOYMENT (not imported: no Ray at import)
 METRICS_REPORT_INTERVAL_MS = 1000
@@ -138,7 +139,8 @@ class LocalCluster:
 class ReplicaSampler:
     """Samples, every ``interval_s`` in a background thread, the replica count (for replica-seconds)
     and, given a cluster, the server's generated-token counter (for tokens/s during the load phase,
-    whatever the drain after it does)."""
+    whatever the drain after it does) and the speculation counters the report plots over time
+    (:attr:`timeline`)."""
 
     def __init__(self, app_name: str, cluster: LocalCluster | None = None, interval_s: float = 1.0) -> None:
         self.app_name = app_name
@@ -146,6 +148,7 @@ class ReplicaSampler:
         self.interval_s = interval_s
         self.samples: list[tuple[float, int]] = []  # (time.time(), running replicas)
         self.tokens: list[tuple[float, float]] = []  # (time.time(), generated tokens since the start)
+        self.timeline = SpeculationTimeline()
         self._baseline: dict[Series, float] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="replica-sampler", daemon=True)
@@ -160,14 +163,17 @@ class ReplicaSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.time(), LocalCluster.running_replicas(self.app_name)))
+            replicas = LocalCluster.running_replicas(self.app_name)
+            self.samples.append((time.time(), replicas))
             if self.cluster is not None:
                 scrape = self.cluster.scrape()
                 if scrape:
                     if self._baseline is None:
                         self._baseline = scrape
                     delta = counter_delta(self._baseline, scrape, GENERATION_TOKENS)
-                    self.tokens.append((time.time(), delta))
+                    now = time.time()
+                    self.tokens.append((now, delta))
+                    self.timeline.observe(now, scrape, replicas)
             self._stop.wait(self.interval_s)
 
     def replica_seconds(self, start: float, end: float) -> float:

@@ -1,7 +1,8 @@
 """The load matrix's report: ``report.md`` with tables, and PNG plots, in the results folder.
 
 Plots, one set per workload mix: output tokens/s per policy vs users, cost per 1M output tokens per
-policy vs users, and CDFs of request latency and TTFT per policy at the lowest and the highest load.
+policy vs users, and CDFs of request latency and TTFT per policy at the lowest and the highest load;
+per cell, the dashboard's speculation panels over time (``loadtest.speculation_plots``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.analysis import CellResult
+from loadtest.speculation_plots import CellKey, speculation_section
 from loadtest.streaming import RequestRecord
+from loadtest.timeline import SpeculationTimeline
 
 
 def _fmt(value: float | None, digits: int = 2, scale: float = 1.0) -> str:
@@ -147,8 +150,11 @@ def write_report(
     results: Sequence[CellResult],
     records: Mapping[tuple[str, int, str], list[RequestRecord]],
     meta: Mapping[str, Any],
+    timelines: Mapping[CellKey, SpeculationTimeline] | None = None,
 ) -> Path:
-    """Write ``report.md`` and the plots into ``folder``; returns the report's path."""
+    """Write ``report.md`` and the plots into ``folder``; returns the report's path. ``timelines``:
+    each cell's scraped speculation counters (:class:`~loadtest.cluster.ReplicaSampler`), plotted
+    over time per cell."""
     lines = [f"# specserve load test, {meta.get('started', '')}", ""]
     lines += [
         f"- command: `{meta.get('command', '')}`",
@@ -171,6 +177,7 @@ def write_report(
     for mix in dict.fromkeys(r.mix for r in results):
         rows = [r for r in results if r.mix == mix]
         lines += _mix_section(mix, rows, plot_mix(mix, results, records, folder))
+        lines += speculation_section(mix, rows, timelines or {}, folder)
     lines += [
         "## Counter check",
         "",

@@ -35,6 +35,7 @@ from loadtest.cluster import LocalCluster, ReplicaSampler, counter_delta, free_p
 from loadtest.progress import Progress
 from loadtest.server import ServerError, ServerProcess
 from loadtest.streaming import RequestRecord
+from loadtest.timeline import SpeculationTimeline
 from loadtest.workloads import MIXES, Conversation, load_workloads, mix_classes, mix_workloads
 from policies.registry import DEFAULT_POLICY, FIXED_POLICY, PLAIN_POLICY
 from serve_app.app import APP_NAME
@@ -239,8 +240,9 @@ def run_cell(
     folder: Path,
     progress: Progress,
     price: float,
-) -> tuple[analysis.CellResult, list[RequestRecord]]:
-    """Start, warm up, load, measure and stop one cell's server."""
+) -> tuple[analysis.CellResult, list[RequestRecord], SpeculationTimeline]:
+    """Start, warm up, load, measure and stop one cell's server; its figures, records and the
+    speculation counters scraped over the load (written to ``timeline.json`` in ``folder``)."""
     progress.phase("starting specserve serve")
     with ServerProcess(settings, folder, cluster.address, args.start_timeout) as server:
         model = server.model()
@@ -276,8 +278,9 @@ def run_cell(
             result.errors.append("the replica count could not be read (serve.status()); cost unknown")
         if code not in (0, 1):  # 1: some requests failed (counted in the result)
             result.errors.append(f"locust exited with {code}; see {folder / 'locust.log'}")
+        (folder / "timeline.json").write_text(json.dumps(sampler.timeline.to_dict()))
         progress.phase("stopping the server")
-    return result, records
+    return result, records, sampler.timeline
 
 
 def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
@@ -317,6 +320,7 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
     print(f"[loadtest] {len(cells)} cells -> {root}", flush=True)
     results: list[analysis.CellResult] = []
     records: dict[tuple[str, int, str], list[RequestRecord]] = {}
+    timelines: dict[tuple[str, int, str], SpeculationTimeline] = {}
     skipped: set[tuple[str, str]] = set()
     started = time.monotonic()
     cpus = args.cpus or max(
@@ -338,7 +342,7 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
                 folder = root / mix / policy / f"u{users}"
                 data = cell_settings(settings, args, policy, params.get(policy, {}))
                 try:
-                    result, cell_records = run_cell(
+                    result, cell_records, timelines[(policy, users, mix)] = run_cell(
                         args, cluster, data, policy, users, mix, folder, progress, price
                     )
                 except (ServerError, requests.RequestException) as exc:
@@ -364,7 +368,7 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
             json.dumps({"meta": meta, "cells": [r.to_dict() for r in results]}, indent=2)
         )
         if results:
-            report = write_report(root, results, records, meta)
+            report = write_report(root, results, records, meta, timelines)
             print(f"[loadtest] report: {report}", flush=True)
     failed = [r for r in results if r.errors or r.requests == 0]
     return 130 if interrupted else 1 if failed else 0

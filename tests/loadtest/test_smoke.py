@@ -81,7 +81,13 @@ def test_smoke_matrix_report_is_consistent(tmp_path: Path, smollm2_path: Path) -
         assert {e["name"] for e in final if e.get("method") == "POST"} >= {"code", "json"}
         assert sum(1 for line in (cell / "records.jsonl").read_text().splitlines() if line) == c["requests"]
         assert "[specserve] shutting down" in (cell / "server.log").read_text()  # stopped cleanly
+        # The speculation counters scraped every second add up to the server's over the cell.
+        points = json.loads((cell / "timeline.json").read_text())["points"]
+        accepted = sum(v for key, v in points[-1][2].items() if key.startswith("accepted|"))
+        assert len(points) >= 2 and accepted == pytest.approx(c["server"]["accepted_tokens"], rel=0.02)
     plain, static = cells["plain"], cells["static"]
+    assert "![speculation_structured_static_u2.png](speculation_structured_static_u2.png)" in report
+    assert (folder / "speculation_structured_static_u2.png").stat().st_size > 10_000
     assert plain["acceptance"] is None and plain["server"]["draft_tokens"] == 0
     assert static["acceptance"] and static["server_acceptance"] == pytest.approx(
         static["acceptance"], abs=0.01
