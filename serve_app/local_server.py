@@ -31,6 +31,34 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def _metrics_options(settings: Settings, address: str) -> dict[str, object]:
+    """``ray.init`` options of a cluster we start: Ray's exporter on ``telemetry.metrics_export_port``
+    (a taken port: any free one; ``GET /metrics`` finds it either way) and the report interval."""
+    if address != "local":
+        return {}  # joining a cluster: its own settings stand
+    telemetry = settings.telemetry
+    options: dict[str, object] = {
+        "_system_config": {"metrics_report_interval_ms": telemetry.metrics_report_interval_ms}
+    }
+    port = telemetry.metrics_export_port
+    if port and _port_free(port):
+        options["_metrics_export_port"] = port
+    elif port:
+        print(f"[specserve] port {port} is taken; Ray's metrics exporter takes a free one", file=sys.stderr)
+    return options
+
+
 def serve_locally(settings: Settings) -> int:
     """Serve the OpenAI-compatible API on a local Ray cluster until Ctrl-C, SIGINT or SIGTERM."""
     import os
@@ -49,7 +77,7 @@ def serve_locally(settings: Settings) -> int:
     started_ray = not ray.is_initialized()
     if started_ray:  # a local cluster (never `ray start --head`: port 6379 is Redis's here)
         address = os.environ.get("RAY_ADDRESS") or "local"
-        ray.init(address=address, include_dashboard=False)
+        ray.init(address=address, include_dashboard=False, **_metrics_options(settings, address))
     # SIGINT and SIGTERM both shut down cleanly, also where SIGINT was inherited as ignored
     # (a background job of a non-interactive shell) and after ray.init installed its SIGTERM exit.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -93,7 +121,7 @@ def serve_locally(settings: Settings) -> int:
         auth = f" \\\n  -H 'Authorization: Bearer {key}'" if key else ""
         print(
             f"[specserve] ready after {time.monotonic() - start:.0f}s: {url}  (model {name!r}; "
-            f"OpenAI base URL {url}/v1)\n"
+            f"OpenAI base URL {url}/v1; Prometheus metrics {url}/metrics)\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
             f"""  -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], """
             f""""max_tokens": 64}}'\n"""
