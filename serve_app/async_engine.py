@@ -134,7 +134,10 @@ class AsyncEngine:
         try:
             while not finished:
                 try:
-                    item = await asyncio.wait_for(stream.queue.get(), max(0.0, deadline - loop.time()))
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+                    # that races with the item arriving, and the consumer would then not abort.
+                    async with asyncio.timeout_at(deadline):
+                        item = await stream.queue.get()
                 except TimeoutError:
                     finished = True  # the abort goes out now, not from `finally`
                     stream.cancelled = True

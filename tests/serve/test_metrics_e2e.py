@@ -4,6 +4,7 @@ to what the clients counted, refusals of Serve's queue included."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +85,9 @@ def scrape(base_url: str) -> dict[str, list[Sample]]:
 
 
 def total(samples: dict[str, list[Sample]], name: str, **labels: str) -> float:
+    """The sum of ``name``'s series of this module's model (the session's cluster also exports
+    series of other tests' applications) that carry ``labels``."""
+    labels = {"model_name": MODEL, **labels}
     return sum(s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
 
 
@@ -115,6 +119,8 @@ def run_clients(client: openai.OpenAI) -> ClientCounts:
 def burst(client: openai.OpenAI, counts: ClientCounts, n: int = 12) -> None:
     """More concurrent requests than the replica holds plus Serve's one queued: some get 503."""
 
+    lock = threading.Lock()  # the counts are shared by the client threads
+
     def one(_: int) -> None:
         try:
             r = client.completions.create(
@@ -122,10 +128,12 @@ def burst(client: openai.OpenAI, counts: ClientCounts, n: int = 12) -> None:
             )
         except openai.APIStatusError as exc:
             assert exc.status_code == 503, exc.response.text
-            counts.refused += 1
+            with lock:
+                counts.refused += 1
             return
-        counts.add(r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens,
-                   r.model_extra.get("speculation"))  # fmt: skip
+        with lock:
+            counts.add(r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens,
+                       r.model_extra.get("speculation"))  # fmt: skip
 
     with ThreadPoolExecutor(n) as pool:
         list(pool.map(one, range(n)))
@@ -149,13 +157,12 @@ def test_metrics_endpoint_counts_what_the_clients_saw(base_url: str) -> None:
         time.sleep(1.0)
         samples = scrape(base_url)
 
-    model = {"model_name": MODEL}
     for reason, n in counts.requests.items():
-        assert total(samples, m.REQUEST_SUCCESS + "_total", finished_reason=reason, **model) == n, reason
+        assert total(samples, m.REQUEST_SUCCESS + "_total", finished_reason=reason) == n, reason
     assert total(samples, m.REQUEST_SUCCESS + "_total") == finished
-    assert total(samples, m.REQUESTS_REFUSED + "_total", **model) == counts.refused  # Serve's or the engine's
-    assert total(samples, m.PROMPT_TOKENS + "_total", **model) == counts.prompt_tokens
-    assert total(samples, m.GENERATION_TOKENS + "_total", **model) == counts.completion_tokens
+    assert total(samples, m.REQUESTS_REFUSED + "_total") == counts.refused  # Serve's or the engine's
+    assert total(samples, m.PROMPT_TOKENS + "_total") == counts.prompt_tokens
+    assert total(samples, m.GENERATION_TOKENS + "_total") == counts.completion_tokens
     assert total(samples, m.NUM_DRAFT_TOKENS + "_total", proposer="draft", policy="static") == counts.drafted
     assert total(samples, m.NUM_ACCEPTED_TOKENS + "_total", proposer="draft") == counts.accepted
     assert total(samples, m.NUM_ACCEPTED_TOKENS_PER_POS + "_total") == counts.accepted
