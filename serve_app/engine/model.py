@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from serve_app.engine.attention import grouped_attention
-from serve_app.engine.block_file import BLOCKS_FILE, read_blocks
+from serve_app.engine.block_file import BLOCKS_FILE, blocks_path, read_blocks
 from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
 from serve_app.engine.kv_cache import CacheBatch, KVCache
 from serve_app.engine.packing import LayerPacker, model_packer
-from serve_app.engine.quantized import Q8Weight, QuantizedWeight
+from serve_app.engine.quantized import PaddedInputs, Q8Weight, QuantizedWeight
 from serve_app.engine.weights import (
     WEIGHT_FORMATS,
     Weight,
@@ -186,7 +186,7 @@ class DecoderModel:
         if weight_format == "dense":
             self.lm_head = head if head is self.embed else prepack(head)
         elif self.head_ids is not None:  # a draft's restricted head: no GGUF block matches its rows
-            self.lm_head = Q8Weight.quantize(head)
+            self.lm_head = PaddedInputs.quantize(head) if weight_format == "q4k" else Q8Weight.quantize(head)
         else:
             self.lm_head = pack([head_name], [head])
         self.layers = []
@@ -223,14 +223,16 @@ class DecoderModel:
         files = sorted(f for f in path.glob("*.safetensors") if f.name != BLOCKS_FILE)
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
-        blocks = read_blocks(path) if weight_format == "gguf" else {}
+        # q4k takes the GGUF's Q4_K blocks where a pack has them and quantizes everything else
+        wants_blocks = weight_format == "gguf" or (weight_format == "q4k" and blocks_path(path).is_file())
+        blocks = read_blocks(path) if wants_blocks else {}
         weights: dict[str, torch.Tensor] = {}
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     # a layer matrix the GGUF blocks hold: its dense copy is never used (the
                     # embedding serves lookups; the head decides tied vs untied and may be restricted)
-                    if name in blocks and name.startswith("model.layers."):
+                    if weight_format == "gguf" and name in blocks and name.startswith("model.layers."):
                         continue
                     weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
         return cls(cfg, hf_config, weights, draft, weight_format, blocks)

@@ -5,6 +5,8 @@
 - ``Q8Weight``: int8 with an fp16 scale per 32 inputs (llama.cpp's Q8_0), our kernel; also holds
   the GGUF's Q8_0 / Q5_0 / Q4_0 blocks exactly (their values fit in int8 with the same scale).
 - ``Q4KWeight``: the GGUF's Q4_K blocks as they are (4.6 bits per weight), our kernel.
+- ``PaddedInputs``: a Q4_K weight whose inputs were zero-padded to a multiple of 256 (the ``q4k``
+  format of a draft whose matrices are 896 wide).
 - ``RowStack``: output rows of several weights in order (a fused product whose parts the GGUF
   stores in different formats).
 
@@ -200,6 +202,39 @@ class Q4KWeight:
 
 
 @dataclass(frozen=True)
+class PaddedInputs:
+    """A Q4_K weight over more inputs than the model has: ``in_features`` real ones, then zero
+    weights up to the next multiple of 256 (Q4_K's super-block). ``matmul`` pads the activations
+    with zeros to match, which adds nothing to any sum (a 896-wide draft matrix: 1024, 14% more
+    bytes, still ~0.6x of Q8's)."""
+
+    weight: Q4KWeight
+    in_features: int
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Q4KWeight | PaddedInputs:
+        """Q4_K from dense weights: min/max blocks (``Q4KWeight.quantize``) after zero-padding the
+        inputs to a multiple of 256; a plain ``Q4KWeight`` where no padding is needed."""
+        in_features = weight.shape[1]
+        padding = -in_features % Q4KWeight.SUPER
+        if not padding:
+            return Q4KWeight.quantize(weight)
+        return cls(Q4KWeight.quantize(torch.nn.functional.pad(weight.float(), (0, padding))), in_features)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.weight.shape[0], self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        padding = self.weight.shape[1] - self.in_features
+        return self.weight.matmul(torch.nn.functional.pad(x, (0, padding)))
+
+
+@dataclass(frozen=True)
 class RowStack:
     """The output rows of several quantized weights, in order (e.g. q and k in Q4_K, v in Q8)."""
 
@@ -236,4 +271,4 @@ def _fuse(group: list) -> Q8Weight | Q4KWeight:
     return kind(**{f: torch.cat([getattr(p, f) for p in group]) for f in fields})
 
 
-QuantizedWeight = Int8Weight | Q8Weight | Q4KWeight | RowStack
+QuantizedWeight = Int8Weight | Q8Weight | Q4KWeight | PaddedInputs | RowStack

@@ -14,14 +14,23 @@ import torch
 import torch.nn.functional as F
 
 from serve_app.engine.invariance import RowPlan
-from serve_app.engine.quantized import Int8Weight, Q4KWeight, Q8Weight, QuantizedWeight, RowStack
+from serve_app.engine.quantized import (
+    Int8Weight,
+    PaddedInputs,
+    Q4KWeight,
+    Q8Weight,
+    QuantizedWeight,
+    RowStack,
+)
 
 Weight = torch.Tensor | QuantizedWeight
 # A target's layer matrices (and head): as loaded ("dense"), Q8Weight ("q8"), or the pack's GGUF
 # blocks as they are ("gguf": Q4_K as Q4KWeight, Q8_0 / Q5_0 / Q4_0 as Q8Weight, others re-quantized
-# to Q8Weight; packs.gguf_blocks).
-WEIGHT_FORMATS = ("dense", "q8", "gguf")
-QUANTIZED_FORMATS = ("q8", "gguf")  # the formats whose products run in our kernels
+# to Q8Weight; packs.gguf_blocks), or every matrix in 4 bits ("q4k": the GGUF's Q4_K blocks where it
+# has them, the others re-quantized to Q4_K, inputs zero-padded to 256s; the cheapest per step, for
+# drafts, whose numbers only decide what is proposed).
+WEIGHT_FORMATS = ("dense", "q8", "gguf", "q4k")
+QUANTIZED_FORMATS = ("q8", "gguf", "q4k")  # the formats whose products run in our kernels
 
 
 # Below this many elements a float32 product is too short for oneDNN's per-call overhead to pay.
@@ -99,6 +108,8 @@ def product_kind(weight: Weight) -> str:
         return f"q8 {weight.shape[0]}x{weight.shape[1]}"
     if isinstance(weight, Q4KWeight):
         return f"q4k {weight.shape[0]}x{weight.shape[1]}"
+    if isinstance(weight, PaddedInputs):
+        return f"q4k {weight.shape[0]}x{weight.shape[1]} padded to {weight.weight.shape[1]}"
     if isinstance(weight, RowStack):
         return "stack " + " + ".join(product_kind(p) for p in weight.parts)
     layout = "prepacked" if weight.is_mkldnn else "dense"

@@ -47,11 +47,14 @@ def products_on_every_path(module, weight, x: torch.Tensor) -> dict[str, torch.T
 
 # in_features: one super-block; the Qwen 1.5B widths; for q8 also block counts that leave a tail of
 # 1..3 blocks after the groups of four (50 and 51 blocks)
+# rows: 9 = groups of 4, 4 and 1 (8 and 1 on AVX-512); 1 = decode, whose AVX-512 path takes two
+# outputs per pass (67 outputs: 33 pairs and one alone)
+@pytest.mark.parametrize("rows", [1, 9])
 @pytest.mark.parametrize("in_features", [256, 1536, 8960])
-def test_q4k_paths_agree(kernels, in_features: int) -> None:
+def test_q4k_paths_agree(kernels, in_features: int, rows: int) -> None:
     torch.manual_seed(in_features)
     weight = Q4KWeight.quantize(torch.randn(67, in_features) * 0.05)
-    x = torch.randn(9, in_features)  # 9 rows: groups of 4, 4 and 1
+    x = torch.randn(rows, in_features)
     out = products_on_every_path(kernels, weight, x)
     assert len(out) >= 2, f"only {list(out)} here"
     reference = out["scalar"]

@@ -13,7 +13,7 @@ from serve_app.engine.exactness import make_exact
 from serve_app.engine.invariance import probe_rows
 from serve_app.engine.kernels import kernels_module
 from serve_app.engine.model import DecoderModel
-from serve_app.engine.quantized import Q4KWeight, Q8Weight, RowStack, concat_rows
+from serve_app.engine.quantized import PaddedInputs, Q4KWeight, Q8Weight, RowStack, concat_rows
 from serve_app.engine.weights import linear, product_kind
 from tests.conftest import make_tiny_engine, make_tiny_hf_model
 from tests.engine.quantized_helpers import assert_speculation_equals_plain, require_built_kernels
@@ -139,3 +139,46 @@ def test_an_untied_head_in_the_blocks_is_the_heads_own(tmp_path) -> None:
     head = blocks["lm_head.weight"]
     assert torch.equal(model.lm_head.data, head.data) and torch.equal(model.lm_head.scales, head.scales)
     assert isinstance(model.layers[0].gate_up, Q4KWeight)
+
+
+def test_padded_inputs_compute_the_unpadded_product_at_every_row_count() -> None:
+    """The q4k format's 896-wide matrices: zero weights pad the inputs to 1024, the activations too."""
+    torch.manual_seed(3)
+    dense = torch.randn(40, 896)
+    weight = PaddedInputs.quantize(dense)
+    assert isinstance(weight, PaddedInputs) and weight.shape == (40, 896)
+    assert weight.weight.shape == (40, 1024)
+    assert product_kind(weight) == "q4k 40x896 padded to 1024"
+    assert isinstance(PaddedInputs.quantize(torch.randn(8, 512)), Q4KWeight)  # whole super-blocks: as is
+    x = torch.randn(7, 896)
+    padded_x = torch.nn.functional.pad(x, (0, 128))
+    assert torch.equal(linear(x, weight), linear(padded_x, weight.weight))
+    want = reference(padded_x, weight.weight)
+    assert torch.allclose(linear(x, weight).double(), want, rtol=1e-5, atol=1e-4)
+    each = torch.cat([linear(x[i : i + 1], weight) for i in range(7)])
+    assert torch.equal(each, linear(x, weight))
+    assert (weight.weight.dequantize()[:, 896:] == 0).all()
+
+
+def test_a_q4k_draft_keeps_speculation_exact(tiny_tokenizer) -> None:
+    """A draft with every matrix in 4 bits (widths not multiples of 256: padded) drafts well enough
+    and never changes the output: verification decides."""
+    from serve_app.engine.params import SamplingParams, SpecOverride
+    from serve_app.engine.proposers.draft_model import DraftModelProposer
+
+    hf = make_tiny_hf_model(tiny_tokenizer.vocab_size, layers=2, hidden=64)
+    draft = DecoderModel.from_hf_model(hf, weight_format="q4k")
+    layer = draft.layers[0]
+    assert all(isinstance(w, PaddedInputs) for w in (layer.qkv, layer.o, layer.gate_up))
+    assert isinstance(draft.lm_head, PaddedInputs)
+    target = DecoderModel.from_hf_model(hf)
+    proposer = DraftModelProposer(draft, target.cfg.vocab_size, max_slots=8, max_seq_len=128)
+    engine = make_tiny_engine(target, tiny_tokenizer, proposers={"draft": proposer}, method="draft")
+    prompts = [tiny_tokenizer(p)["input_ids"] for p in ("def add(a, b):", "for i in range(10):")]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)]  # fmt: skip
+    plain = [r.token_ids for r in engine.generate(prompts, params, SpecOverride("off"))]
+    drafted = engine.generate(prompts, params, SpecOverride("draft", 4))
+    assert [r.token_ids for r in drafted] == plain
+    stats = drafted[0].spec_stats
+    assert stats.drafted > 0 and stats.accepted / stats.drafted > 0.5  # the same model, 4-bit
