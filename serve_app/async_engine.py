@@ -43,6 +43,7 @@ import queue as queue_mod
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from serve_app.engine.scheduler import QueueFullError
@@ -60,6 +61,7 @@ from serve_app.wire import EngineInfo, GenerateChunk, GenerateError, GenerateReq
 
 if TYPE_CHECKING:
     from serve_app.engine.engine import SpecEngine
+    from serve_app.engine.params import SamplingParams
     from serve_app.observability.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,8 @@ class AsyncEngine:
         engine: SpecEngine | Callable[[], SpecEngine],  # or a function building it on the loop thread
         *,
         model_name: str,
-        max_tokens_limit: int = 2048,
+        max_tokens_limit: int | None = None,
+        default_max_tokens: int | None = None,
         request_timeout_s: float = 600.0,
         metrics: EngineMetrics | None = None,
         tracer: Any = None,
@@ -88,7 +91,8 @@ class AsyncEngine:
         build = engine if callable(engine) else None
         self.engine: SpecEngine = None if build else engine  # type: ignore[assignment]
         self.model_name = model_name
-        self.max_tokens_limit = max_tokens_limit
+        self.max_tokens_limit = max_tokens_limit  # None: the context (max_seq_len)
+        self.default_max_tokens = default_max_tokens
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
         self._recorder = StepMetrics(metrics)
@@ -164,11 +168,12 @@ class AsyncEngine:
         return EngineInfo(
             model=self.model_name,
             max_seq_len=config.max_seq_len,
-            max_tokens_limit=self.max_tokens_limit,
+            max_tokens_limit=min(self.max_tokens_limit or config.max_seq_len, config.max_seq_len),
             proposers=sorted(self.engine.proposers),
             default_method=config.spec_method,
             exact=self.engine.exact,
             sampling=config.sampling,
+            default_max_tokens=self.default_max_tokens,
         )
 
     async def health(self) -> bool:
@@ -276,9 +281,8 @@ class AsyncEngine:
         request = stream.request
         try:
             prompt_ids = self._tokenize(request)
-            self.engine.add_request(
-                prompt_ids, request.sampling, request.request_id, speculation=request.speculation
-            )
+            sampling = self._fit_max_tokens(request, len(prompt_ids))
+            self.engine.add_request(prompt_ids, sampling, request.request_id, speculation=request.speculation)
         except QueueFullError as exc:
             self._recorder.refused(ENGINE_QUEUE_FULL)
             stream.deliver(overloaded_error(str(exc)))
@@ -289,6 +293,19 @@ class AsyncEngine:
             stream.deliver(GenerateError(message=f"internal error: {exc}", type="server_error", status=500))
         else:
             self._streams[request.request_id] = stream
+
+    def _fit_max_tokens(self, request: GenerateRequest, prompt_tokens: int) -> SamplingParams:
+        """A request that named no max_tokens runs to the end of the context, within its bound."""
+        if not request.fit_max_tokens:
+            return request.sampling
+        context = self.engine.config.max_seq_len
+        room = context - prompt_tokens
+        if room < 1:
+            raise ValueError(
+                f"the prompt ({prompt_tokens} tokens) leaves no room in the maximum sequence length of "
+                f"{context} tokens"
+            )
+        return replace(request.sampling, max_tokens=min(request.sampling.max_tokens, room))
 
     def _tokenize(self, request: GenerateRequest) -> list[int]:
         if request.messages is not None:

@@ -185,6 +185,7 @@ def build_async_engine(settings: Settings, metrics_backend: str = "ray", tracer:
             build,
             model_name=name,
             max_tokens_limit=settings.server.max_tokens_limit,
+            default_max_tokens=settings.sampling.max_tokens,
             request_timeout_s=settings.server.request_timeout_s,
             metrics=EngineMetrics(name, backend=metrics_backend, replica=replica),
             tracer=tracer,

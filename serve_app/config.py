@@ -169,7 +169,12 @@ class StoreSettings(_Section):
 
 
 class SamplingDefaults(_Section):
-    max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request names none.")
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="A request that names no max_tokens generates at most this many; null: up to the end of "
+        "the model's context (vLLM's default). Always within server.max_tokens_limit and the context.",
+    )
 
 
 class Settings(BaseSettings):

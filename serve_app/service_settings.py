@@ -22,7 +22,14 @@ class ServerSettings(_Section):
     served_model_name: str | None = Field(
         None, description="The model name clients use in requests; default: the target's name."
     )
-    max_tokens_limit: int = Field(2048, ge=1, description="The largest max_tokens a request may ask for.")
+    max_tokens_limit: int | None = Field(
+        None, ge=1, description="The largest max_tokens a request may ask for; null: the model's context."
+    )
+    strict_requests: bool = Field(
+        False,
+        description="Refuse unknown top-level request fields with a 400, as OpenAI does; by default they are "
+        "ignored with one log line per field name, as vLLM and SGLang do (client extras keep working).",
+    )
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request still running after this is aborted."
     )

@@ -25,6 +25,9 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None  # /v1/chat/completions: through the chat template
     speculation: SpecOverride = field(default_factory=SpecOverride)
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C trace context carrier
+    # The request named no max_tokens: ``sampling.max_tokens`` is an upper bound that the replica
+    # lowers to the context left after the prompt, once it has tokenized it.
+    fit_max_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,13 +62,14 @@ class EngineInfo:
 
     model: str  # the served model's name (what clients put in "model")
     max_seq_len: int
-    max_tokens_limit: int
+    max_tokens_limit: int  # the largest max_tokens a request may name (<= max_seq_len)
     proposers: list[str]
     default_method: str | None
     # Speculation is bit-exact here: the replica made its rows independent of the batch
     # (serve_app.engine.exactness). False on a device where it could not, or with it turned off.
     exact: bool = False
     sampling: str = "coupled"  # how sampled tokens are drawn and verified (EngineConfig.sampling)
+    default_max_tokens: int | None = None  # a request without max_tokens: at most this (None: the context)
 
 
 class EngineClient(Protocol):

@@ -69,15 +69,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     set_threads(settings.runtime.threads)
     engine = build_engine(settings, max_slots=1)
+    prompt_ids = engine.encode_prompt(args.prompt, chat=args.chat)
+    # as the API: without --max-tokens, sampling.max_tokens, else to the end of the context
+    room = engine.config.max_seq_len - len(prompt_ids)
     params = SamplingParams(
-        max_tokens=args.max_tokens or settings.sampling.max_tokens,
+        max_tokens=args.max_tokens or max(min(settings.sampling.max_tokens or room, room), 1),
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
         stop=tuple(args.stop or ()),
     )
-    prompt_ids = engine.encode_prompt(args.prompt, chat=args.chat)
     start = time.perf_counter()
     first = None
     count = 0
@@ -182,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     speculation_flags(gen)
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, help="default: settings (256)")
+    gen.add_argument(
+        "--max-tokens", type=int, help="default: sampling.max_tokens, else to the end of the context"
+    )
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -1,10 +1,13 @@
 """OpenAI request/response models for /v1/completions and /v1/chat/completions, and the translation
 of a request into the engine's `GenerateRequest`.
 
-Validation is strict, as OpenAI's: wrong JSON types are errors (no "5" for 5) and an unknown
-top-level field is a 400 ("Unrecognized request argument supplied: ..."). The `openai` client sends
-only what its caller passes, so it needs no allowlist; accepted and ignored: `user`, `metadata`,
-`store`, `service_tier`, `parallel_tool_calls`, `stream_options.include_obfuscation`. OpenAI fields
+Types are strict, as OpenAI's: wrong JSON types are errors (no "5" for 5). An unknown top-level
+field is kept in ``model_extra`` and ignored (one log line per field name), as vLLM and SGLang do, so
+that client extras (LangChain, LiteLLM, ``chat_template_kwargs``) do not break requests; with
+``server.strict_requests`` it is a 400 ("Unrecognized request argument supplied: ...", OpenAI's
+answer; ``routes`` decides). Unknown keys inside our ``speculation`` block are always a 400.
+Accepted and ignored by name: `user`, `metadata`, `store`,
+`service_tier`, `parallel_tool_calls`, `stream_options.include_obfuscation`. OpenAI fields
 not implemented here are accepted at their neutral value and otherwise refused with a 400 naming the
 field: `n` != 1, non-zero penalties, `logit_bias`, `logprobs`, tools, a non-text `response_format`,
 `echo`, `suffix`, `best_of` != 1. Extensions: `top_k` (0 or -1 = off), `ignore_eos`,
@@ -25,7 +28,6 @@ from serve_app.api.errors import APIError
 from serve_app.engine.params import MAX_STOP_STRINGS, SamplingParams, SpecOverride
 from serve_app.wire import EngineInfo, GenerateRequest
 
-DEFAULT_MAX_TOKENS = 256
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -65,9 +67,9 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    """Fields both endpoints share."""
+    """Fields both endpoints share; unknown ones land in ``model_extra`` (see the module docstring)."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -204,13 +206,15 @@ def to_generate_request(
     """Translate a validated request for the engine; refusals the schema can't see raise `APIError`.
 
     A ``max_tokens`` over ``info.max_tokens_limit`` (or ``max_tokens_limit``, if lower) is a 400; none
-    means ``min(256, limit)``."""
+    means up to the context left after the prompt (the replica fits it once it has tokenized the
+    prompt), at most ``info.default_max_tokens`` (``sampling.max_tokens``) and the limit."""
     limit = min(info.max_tokens_limit, max_tokens_limit or info.max_tokens_limit)
     param, max_tokens = "max_tokens", req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         param, max_tokens = "max_completion_tokens", req.max_completion_tokens
-    if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, limit)
+    fit = max_tokens is None
+    if fit:
+        max_tokens = min(info.default_max_tokens or limit, limit)
     elif max_tokens > limit:
         why = f"{param} is too large: {max_tokens}. This model supports at most {limit} completion tokens."
         raise APIError(400, why, param=param, code="max_tokens_too_large")
@@ -237,6 +241,7 @@ def to_generate_request(
         sampling=sampling,
         speculation=SpecOverride(mode=spec.mode, max_depth=spec.max_depth),
         trace_context=dict(trace_context or {}),
+        fit_max_tokens=fit,
     )
     if isinstance(req, CompletionRequest):
         return GenerateRequest(prompt=req.prompt, **common)  # type: ignore[arg-type]

@@ -182,6 +182,7 @@ class _Ingress:
         self.timeout = settings.request_timeout_s
         self.started = int(time.time())
         self._info: EngineInfo | None = None
+        self._ignored_fields: set[str] = set()  # unknown request fields already logged once
 
     async def info(self) -> EngineInfo:
         """The engine's model and limits, asked once (they don't change while it runs)."""
@@ -209,6 +210,18 @@ class _Ingress:
             message = f"The model `{name}` does not exist or you do not have access to it."
             raise APIError(404, message, param="model", code="model_not_found")
 
+    def check_unknown_fields(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+        """Unknown top-level fields: a 400 under ``strict_requests``, else ignored, each name logged once."""
+        names = sorted(body.model_extra or {})
+        if names and self.settings.strict_requests:
+            raise APIError(400, f"Unrecognized request argument supplied: {names[0]}", param=names[0])
+        for name in names:
+            if name not in self._ignored_fields:
+                self._ignored_fields.add(name)
+                logger.warning(
+                    "ignoring unknown request field %r (server.strict_requests refuses them)", name
+                )
+
     def _http_error(self, error: Exception | None) -> Exception | None:
         if isinstance(error, TimeoutError):
             return APIError(504, f"The request timed out after {self.timeout:g} s.", code="timeout")
@@ -223,7 +236,9 @@ class _Ingress:
         try:
             info = await self.info()
             self.check_model(info, body.model)
-            rid, limit = p.new_request_id(chat), min(info.max_tokens_limit, self.settings.max_tokens_limit)
+            self.check_unknown_fields(body)
+            rid = p.new_request_id(chat)
+            limit = min(info.max_tokens_limit, self.settings.max_tokens_limit or info.max_tokens_limit)
             greq = span.start(p.to_generate_request(body, info, request_id=rid, max_tokens_limit=limit), info)
             if body.stream:
                 return await self._stream(greq, body, span, request)

@@ -275,6 +275,16 @@ def test_stream_equals_plain_decoding(client: openai.OpenAI) -> None:
 
 @pytest.mark.slow
 @pytest.mark.pack("smollm2-135m-instruct")
+def test_unknown_request_fields_are_ignored(client: openai.OpenAI) -> None:
+    """What LangChain / LiteLLM send beside OpenAI's fields: accepted, ignored, the same answer."""
+    extras = {"chat_template_kwargs": {"enable_thinking": False}, "repetition_detection": True}
+    with_extras = chat(client, extra_body={**extras, "speculation": {"mode": "off"}})
+    plain = chat(client, extra_body={"speculation": {"mode": "off"}})
+    assert with_extras.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
 def test_seeded_sampling_is_the_same_with_speculation_on_or_off_streamed_or_not(
     base_url: str, client: openai.OpenAI
 ) -> None:

@@ -56,7 +56,8 @@ def make_async(target_hf, tiny_tokenizer):
     def build(engine: SpecEngine | None = None, **kwargs) -> AsyncEngine:
         engine = engine or make_engine(target_hf, tiny_tokenizer)
         kwargs.setdefault("metrics", EngineMetrics("tiny", backend="memory"))
-        async_engine = AsyncEngine(engine, model_name="tiny", max_tokens_limit=64, **kwargs)
+        kwargs.setdefault("max_tokens_limit", 64)
+        async_engine = AsyncEngine(engine, model_name="tiny", **kwargs)
         made.append(async_engine)
         return async_engine
 
@@ -305,9 +306,33 @@ def test_idle_loop_does_not_step(make_async) -> None:
 
 
 def test_info(make_async) -> None:
-    info = asyncio.run(make_async().info())
+    info = asyncio.run(make_async(default_max_tokens=32).info())
     assert info.model == "tiny" and info.max_seq_len == MAX_SEQ_LEN and info.max_tokens_limit == 64
-    assert info.proposers == ["draft"] and info.default_method == "draft"
+    assert info.proposers == ["draft"] and info.default_method == "draft" and info.default_max_tokens == 32
+    # no limit configured: the context; a limit above the context: the context
+    for limit in (None, 10 * MAX_SEQ_LEN):
+        info = asyncio.run(make_async(max_tokens_limit=limit).info())
+        assert info.max_tokens_limit == MAX_SEQ_LEN and info.default_max_tokens is None
+
+
+def test_a_request_without_max_tokens_runs_to_the_end_of_the_context(make_async, tiny_tokenizer) -> None:
+    """vLLM's default: the ingress bounds it, the replica fits it to the prompt it tokenized."""
+    engine = make_async(max_tokens_limit=None)
+    prompt = "def add(a, b):"
+    room = MAX_SEQ_LEN - len(tiny_tokenizer(prompt)["input_ids"])
+    unbounded = SamplingParams(max_tokens=MAX_SEQ_LEN, temperature=0.0, ignore_eos=True)
+    chunks = asyncio.run(collect(engine, request("fit", prompt, unbounded, fit_max_tokens=True)))
+    assert chunks[-1].error is None and chunks[-1].finish_reason == "length"
+    assert chunks[-1].completion_tokens == room
+    bounded = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)  # sampling.max_tokens: 5
+    chunks = asyncio.run(collect(engine, request("bounded", prompt, bounded, fit_max_tokens=True)))
+    assert chunks[-1].completion_tokens == 5
+    # a prompt that fills the context leaves no room: a 400 naming it, nothing leaked
+    chunks = asyncio.run(collect(engine, request("full", list(range(1, MAX_SEQ_LEN + 1)), unbounded,
+                                                 fit_max_tokens=True)))  # fmt: skip
+    assert chunks[-1].error is not None and chunks[-1].error.status == 400
+    assert "leaves no room" in chunks[-1].error.message
+    assert engine.stats()["streams"] == 0 and engine.is_healthy()
 
 
 def test_spans_continue_the_callers_trace(make_async) -> None:
