@@ -36,7 +36,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import Settings, build_settings
-from serve_app.wire import EngineInfo, GenerateChunk, GenerateRequest
+from serve_app.wire import EngineInfo, GenerateChunk, GenerateRequest, TokenizeResult
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,12 @@ class EngineDeployment:
 
     async def health(self) -> bool:
         return await self.engine.health()
+
+    async def tokenize(self, prompt: str | None = None, messages: list | None = None) -> TokenizeResult:
+        return await self.engine.tokenize(prompt, messages)
+
+    async def detokenize(self, token_ids: list[int]) -> TokenizeResult:
+        return await self.engine.detokenize(token_ids)
 
     async def stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from serve_app import tokenizing
 from serve_app.engine.scheduler import QueueFullError
 from serve_app.observability.metric_names import ENGINE_QUEUE_FULL
 from serve_app.observability.request_spans import RequestSpans
@@ -57,7 +58,7 @@ from serve_app.request_stream import (
     unavailable_error,
 )
 from serve_app.step_metrics import StepMetrics
-from serve_app.wire import EngineInfo, GenerateChunk, GenerateError, GenerateRequest
+from serve_app.wire import EngineInfo, GenerateChunk, GenerateError, GenerateRequest, TokenizeResult
 
 if TYPE_CHECKING:
     from serve_app.engine.engine import SpecEngine
@@ -178,6 +179,12 @@ class AsyncEngine:
 
     async def health(self) -> bool:
         return self.is_healthy()
+
+    async def tokenize(self, prompt: str | None = None, messages: list | None = None) -> TokenizeResult:
+        return await asyncio.to_thread(tokenizing.tokenize, self.engine, prompt, messages)
+
+    async def detokenize(self, token_ids: list[int]) -> TokenizeResult:
+        return await asyncio.to_thread(tokenizing.detokenize, self.engine, token_ids)
 
     # ------------------------------------------------------------------------------ state
     def is_healthy(self) -> bool:

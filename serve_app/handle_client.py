@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.wire import EngineInfo, GenerateChunk, GenerateError, GenerateRequest
+from serve_app.wire import EngineInfo, GenerateChunk, GenerateError, GenerateRequest, TokenizeResult
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,18 @@ class RayEngineClient:
 
     async def info(self) -> EngineInfo:
         return await self._handle.info.remote()
+
+    async def tokenize(self, prompt: str | None = None, messages: list | None = None) -> TokenizeResult:
+        try:
+            return await self._handle.tokenize.remote(prompt, messages)
+        except Exception as exc:
+            return TokenizeResult(error=_handle_error(exc, self._on_refused))
+
+    async def detokenize(self, token_ids: list[int]) -> TokenizeResult:
+        try:
+            return await self._handle.detokenize.remote(token_ids)
+        except Exception as exc:
+            return TokenizeResult(error=_handle_error(exc, self._on_refused))
 
     async def health(self) -> bool:
         """True while the engine deployment has a running replica (Serve health-checks each).

@@ -72,6 +72,15 @@ class EngineInfo:
     default_max_tokens: int | None = None  # a request without max_tokens: at most this (None: the context)
 
 
+@dataclass(frozen=True)
+class TokenizeResult:
+    """The replica's answer to a tokenize or detokenize call (``serve_app.tokenizing``)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    error: GenerateError | None = None
+
+
 class EngineClient(Protocol):
     """The replica as the ingress sees it: a Ray Serve handle in production, in-process in tests."""
 
@@ -83,3 +92,11 @@ class EngineClient(Protocol):
 
     async def health(self) -> bool:
         """True while the engine loop is alive (not stuck)."""
+
+    async def tokenize(
+        self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None
+    ) -> TokenizeResult:
+        """Token ids of a prompt or of chat messages, as a request would have them."""
+
+    async def detokenize(self, token_ids: list[int]) -> TokenizeResult:
+        """The text of token ids."""

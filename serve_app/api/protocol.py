@@ -245,12 +245,16 @@ def to_generate_request(
     )
     if isinstance(req, CompletionRequest):
         return GenerateRequest(prompt=req.prompt, **common)  # type: ignore[arg-type]
-    messages = [
+    return GenerateRequest(messages=template_messages(req.messages), **common)  # type: ignore[arg-type]
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them (``developer`` is the template's ``system``)."""
+    return [
         {"role": "system" if m.role == "developer" else m.role, "content": m.content}
         | ({"name": m.name} if m.name else {})
-        for m in req.messages
+        for m in messages
     ]
-    return GenerateRequest(messages=messages, **common)  # type: ignore[arg-type]
 
 
 # Responses. Optional extras (``speculation``, chunk ``usage``, unset delta keys) are left out when

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from serve_app.api import protocol as p
 from serve_app.api.errors import APIError, ApiKeyMiddleware, install_error_handlers
+from serve_app.api.tokenizer_routes import add_tokenizer_routes
 from serve_app.config import ServerSettings
 from serve_app.observability import tracing as otel
 from serve_app.wire import EngineClient, EngineInfo, GenerateChunk, GenerateError, GenerateRequest
@@ -381,6 +382,8 @@ def create_app(client: EngineClient, settings: ServerSettings, tracer: object | 
         info = await ingress.info()
         ingress.check_model(info, model_id)
         return ingress.card(info)
+
+    add_tokenizer_routes(app, client, ingress)
 
     @app.post("/v1/completions", responses={200: {"model": p.Completion}})
     async def completions(body: p.CompletionRequest, request: Request) -> Response:

@@ -24,7 +24,7 @@ from opentelemetry.trace import StatusCode
 from serve_app.api import create_app
 from serve_app.config import ServerSettings
 from serve_app.engine.params import SpecOverride
-from serve_app.wire import EngineInfo, GenerateChunk, GenerateError, GenerateRequest
+from serve_app.wire import EngineInfo, GenerateChunk, GenerateError, GenerateRequest, TokenizeResult
 
 MODEL = "tiny-model"
 SPEC = {
@@ -61,6 +61,7 @@ class FakeEngine:
         self.requests: list[GenerateRequest] = []
         self.closed: list[str] = []  # request ids whose stream was closed (or ran out)
         self.aborted: list[str] = []  # ... closed before the final chunk was handed out
+        self.tokenized: list[tuple] = []  # (prompt, messages) of each tokenize call
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         self.requests.append(request)
@@ -93,6 +94,17 @@ class FakeEngine:
         if isinstance(self.healthy, Exception):
             raise self.healthy
         return self.healthy
+
+    async def tokenize(self, prompt: str | None = None, messages: list | None = None) -> TokenizeResult:
+        """One token per character; messages as ``role: content`` lines."""
+        self.tokenized.append((prompt, messages))
+        text = prompt if prompt is not None else "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return TokenizeResult(token_ids=[ord(c) for c in text])
+
+    async def detokenize(self, token_ids: list[int]) -> TokenizeResult:
+        if any(t < 0 for t in token_ids):
+            return TokenizeResult(error=GenerateError("token ids must be in [0, 100)", param="tokens"))
+        return TokenizeResult(token_ids=token_ids, text="".join(map(chr, token_ids)))
 
 
 @pytest.fixture
@@ -650,3 +662,30 @@ def test_max_tokens_absent_is_fitted_by_the_replica(http: TestClient, engine: Fa
     assert fresh.post("/v1/completions", json=COMPLETION).status_code == 200
     assert engine.requests[-1].fit_max_tokens and engine.requests[-1].sampling.max_tokens == 20
     assert fresh.post("/v1/completions", json={**COMPLETION, "max_tokens": 21}).status_code == 400
+
+
+def test_tokenize_detokenize_and_version(http: TestClient, engine: FakeEngine) -> None:
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "abc"})
+    assert r.status_code == 200 and r.json() == {"count": 3, "max_model_len": 512, "tokens": [97, 98, 99]}
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    r = http.post("/tokenize", json={"messages": messages})  # model is optional
+    assert r.status_code == 200 and r.json()["count"] == len("system: be brief\nuser: hi\n")
+    assert engine.tokenized[-1] == (
+        None,
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+    )
+    assert_error(http.post("/tokenize", json={"prompt": "a", "messages": messages}), 400, "prompt", "either")
+    assert_error(http.post("/tokenize", json={}), 400, "prompt", "either")
+    assert_error(http.post("/tokenize", json={"prompt": "a", "bogus": 1}), 400, "bogus", "Unrecognized")
+    assert_error(
+        http.post("/tokenize", json={"model": "gpt-4", "prompt": "a"}), 404, "model", "does not exist"
+    )
+    r = http.post("/detokenize", json={"model": MODEL, "tokens": [104, 105]})
+    assert r.status_code == 200 and r.json() == {"prompt": "hi"}
+    assert_error(http.post("/detokenize", json={"tokens": [-1]}), 400, "tokens", "token ids must be in")
+    assert_error(http.post("/detokenize", json={"tokens": "hi"}), 400, "tokens", "valid list")
+    version = http.get("/version").json()["version"]
+    assert isinstance(version, str) and version

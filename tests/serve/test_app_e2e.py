@@ -285,6 +285,27 @@ def test_unknown_request_fields_are_ignored(client: openai.OpenAI) -> None:
 
 @pytest.mark.slow
 @pytest.mark.pack("smollm2-135m-instruct")
+def test_tokenize_counts_what_a_request_uses(base_url: str, client: openai.OpenAI) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def post(path: str, body: dict) -> dict:
+        response = requests.post(f"{base_url}{path}", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    prompt = "def fibonacci(n):"
+    tokens = post("/tokenize", {"model": MODEL, "prompt": prompt})
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0)
+    assert tokens["count"] == completion.usage.prompt_tokens == len(tokens["tokens"])
+    assert tokens["max_model_len"] == MAX_SEQ_LEN
+    assert post("/detokenize", {"tokens": tokens["tokens"]})["prompt"].endswith(prompt)
+    counted = post("/tokenize", {"messages": MESSAGES})["count"]
+    assert counted == chat(client, max_tokens=4).usage.prompt_tokens
+    assert requests.get(f"{base_url}/version", headers=headers, timeout=30).json()["version"]
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
 def test_seeded_sampling_is_the_same_with_speculation_on_or_off_streamed_or_not(
     base_url: str, client: openai.OpenAI
 ) -> None:

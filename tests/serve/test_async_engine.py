@@ -391,3 +391,19 @@ def test_a_build_function_runs_on_the_loop_thread_and_its_error_is_raised(target
 
     with pytest.raises(ValueError, match="nowhere"):
         AsyncEngine(broken, model_name="tiny")
+
+
+def test_tokenize_and_detokenize_as_requests_count(make_async, target_hf, tiny_tokenizer) -> None:
+    sync = make_engine(target_hf, tiny_tokenizer)
+    engine = make_async(sync)
+    messages = [{"role": "user", "content": "hi there"}]
+    got = asyncio.run(engine.tokenize(prompt="def add(a, b):"))
+    assert got.error is None and got.token_ids == sync.encode_prompt("def add(a, b):")
+    got = asyncio.run(engine.tokenize(messages=messages))
+    assert got.error is None and got.token_ids == sync.encode_messages(messages)
+    text = asyncio.run(engine.detokenize(got.token_ids))
+    assert text.error is None and "hi there" in text.text
+    for bad in (asyncio.run(engine.tokenize()), asyncio.run(engine.tokenize("x", messages))):
+        assert bad.error is not None and bad.error.status == 400 and "either" in bad.error.message
+    bad = asyncio.run(engine.detokenize([len(tiny_tokenizer) + 5]))
+    assert bad.error is not None and bad.error.status == 400 and bad.error.param == "tokens"

@@ -1,0 +1,45 @@
+"""Tokenizer work the API exposes beside generation (``/tokenize``, ``/detokenize``).
+
+The replica owns the tokenizer (the ingress never loads one), so the ingress asks it through the
+engine client; the answers travel as data (``wire.TokenizeResult``), errors included, as generation
+chunks do. A prompt is tokenized exactly as a completion request's would be, messages exactly as a
+chat request's (the chat template with the generation prompt), so ``count`` is the request's
+``usage.prompt_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from serve_app.wire import GenerateError, TokenizeResult
+
+if TYPE_CHECKING:
+    from serve_app.engine.engine import SpecEngine
+
+NOT_READY = GenerateError("The engine is not ready; retry shortly.", "server_error", status=503)
+
+
+def tokenize(
+    engine: SpecEngine | None, prompt: str | None = None, messages: Sequence[dict[str, Any]] | None = None
+) -> TokenizeResult:
+    """Token ids of a completion prompt or of chat messages (exactly one of them)."""
+    if engine is None:
+        return TokenizeResult(error=NOT_READY)
+    if (prompt is None) == (messages is None):
+        return TokenizeResult(error=GenerateError("give either a prompt or messages", param="prompt"))
+    try:
+        ids = engine.encode_messages(messages) if messages is not None else engine.encode_prompt(prompt or "")
+    except Exception as exc:  # a template that fails on these messages, a tokenizer error
+        return TokenizeResult(error=GenerateError(f"could not tokenize: {exc}"))
+    return TokenizeResult(token_ids=ids)
+
+
+def detokenize(engine: SpecEngine | None, token_ids: Sequence[int]) -> TokenizeResult:
+    """The text of token ids (special tokens kept, as vLLM's ``/detokenize``)."""
+    if engine is None:
+        return TokenizeResult(error=NOT_READY)
+    vocab = engine.model.cfg.vocab_size
+    if any(t < 0 or t >= vocab for t in token_ids):
+        return TokenizeResult(error=GenerateError(f"token ids must be in [0, {vocab})", param="tokens"))
+    return TokenizeResult(token_ids=list(token_ids), text=engine.tokenizer.decode(list(token_ids)))
