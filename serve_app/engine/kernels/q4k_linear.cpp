@@ -31,29 +31,14 @@
 #include <vector>
 
 #include "common.h"
+#include "q4k_avx512.h"
+#include "q4k_blocks.h"
 
 namespace {
 
 using specserve::half_to_float;
 using specserve::Isa;
-constexpr int64_t kSuper = 256;
-constexpr int64_t kBlock = 32;
-constexpr int64_t kBlocks = kSuper / kBlock;  // blocks per super-block
-constexpr int64_t kSuperBytes = kSuper / 2;   // 4-bit values of one super-block
-
-struct Q4K {  // one output row's weights
-  const uint8_t* qs;     // [K / 2]
-  const uint16_t* d;     // [K / 256] fp16 bits
-  const uint16_t* dmin;  // [K / 256] fp16 bits
-  const uint8_t* sc;     // [K / 32]
-  const uint8_t* mn;     // [K / 32]
-};
-
-struct Rows {  // quantized activation rows
-  const int8_t* q;       // [M, K]
-  const float* scale;    // [M, K / 256]
-  const int16_t* bsum;   // [M, K / 32]
-};
+using namespace specserve::q4k;
 
 // Where block b (0..7) of a super-block goes in the activations: in order, or for the AVX-512 code
 // interleaved per 128 inputs as blocks 0 2 1 3 (its 64-byte weight loads hold blocks 0 and 2 in the
@@ -98,7 +83,6 @@ inline void min_lanes(const uint8_t* mn, const int16_t* bsum, int32_t lanes[4]) 
     lanes[i] = static_cast<int32_t>(mn[2 * i]) * bsum[2 * i] + static_cast<int32_t>(mn[2 * i + 1]) * bsum[2 * i + 1];
 }
 
-inline float mins_sum4(const float* l) { return (l[0] + l[2]) + (l[1] + l[3]); }
 
 #if SPECSERVE_AVX2
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -167,126 +151,6 @@ void dot_group_avx2(const Q4K& w, const Rows& x, int64_t k, float* out, int64_t 
 }
 #endif
 
-#if SPECSERVE_AVX512
-// The AVX-512 VNNI form of dot_group_avx2: a 64-byte load holds two 64-input chunks, its low nibbles
-// blocks 4t and 4t + 2, its high nibbles 4t + 1 and 4t + 3 (activations interleaved to match), and
-// each row takes one _mm512_maddubs_epi16 and one _mm512_dpwssd_epi32 (times the block scales) per
-// 32 bytes of activations. Folding the two 256-bit halves gives exactly the AVX2 code's eight
-// integer lanes (lane L: inputs 4L..4L+3 of every block, scaled), so the float steps that follow are
-// the same and so is every result, bit for bit.
-template <int G>
-SPECSERVE_AVX512_FN void dot_group_avx512(const Q4K& w, const Rows& x, int64_t k, float* out, int64_t out_stride) {
-  const int64_t supers = k / kSuper;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  // 16-bit scale lanes: the low 256 bits from one block, the high from another
-  const __m512i pick[4] = {
-      _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1),
-      _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1),
-      _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1),
-      _mm512_inserti64x4(_mm512_set1_epi16(5), _mm256_set1_epi16(7), 1)};
-  // One float register per row: lanes 0..7 the AVX2 code's eight accumulators, 8..11 its four
-  // min accumulators, 12..15 zero; each lane takes the same fused multiply-adds as there.
-  __m512 acc[G];
-  for (int r = 0; r < G; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* q = w.qs + s * kSuperBytes;
-    // 16 super-blocks (2 KB) ahead: measured 1.2x faster than 4 ahead here at 1 row
-    _mm_prefetch(reinterpret_cast<const char*>(q + 16 * kSuperBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q + 16 * kSuperBytes + 64), _MM_HINT_T0);
-    const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + s * kBlocks));
-    const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sc8));
-    const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + s * kBlocks)));
-    __m512i isum[G];
-    for (int r = 0; r < G; ++r) isum[r] = _mm512_setzero_si512();
-#pragma GCC unroll 2
-    for (int t = 0; t < 2; ++t) {
-      const __m512i bytes = _mm512_loadu_si512(q + 64 * t);
-      const __m512i lo = _mm512_and_si512(bytes, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-      const __m512i sc_lo = _mm512_permutexvar_epi16(pick[2 * t], sc16);
-      const __m512i sc_hi = _mm512_permutexvar_epi16(pick[2 * t + 1], sc16);
-#pragma GCC unroll 8
-      for (int r = 0; r < G; ++r) {
-        const int8_t* xr = x.q + r * k + s * kSuper + 128 * t;
-        isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(xr)), sc_lo);
-        isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(xr + 64)), sc_hi);
-      }
-    }
-    // [d x 8 | dmin x 4 | 0 x 4]: times a row's activation scale, the AVX2 code's two steps
-    const __m512 dd = _mm512_maskz_mov_ps(0x0FFF, _mm512_mask_blend_ps(0x0F00, _mm512_set1_ps(half_to_float(w.d[s])),
-                                                                         _mm512_set1_ps(half_to_float(w.dmin[s]))));
-#pragma GCC unroll 8
-    for (int r = 0; r < G; ++r) {
-      const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
-      const __m128i bsum = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.bsum + (r * supers + s) * kBlocks));
-      const __m512i lanes = _mm512_inserti32x4(_mm512_zextsi256_si512(folded), _mm_madd_epi16(mn16, bsum), 2);
-      const __m512 step = _mm512_mul_ps(dd, _mm512_set1_ps(x.scale[r * supers + s]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), step, acc[r]);
-    }
-  }
-  for (int r = 0; r < G; ++r) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc[r]);
-    out[r * out_stride] = specserve::lanes_sum8(lanes) - mins_sum4(lanes + 8);
-  }
-}
-#endif
-
-#if SPECSERVE_AVX512
-// One activation row against O output rows at once: per output exactly dot_group_avx512<1>'s
-// integer lanes and float steps (so the same bits), with O independent dependency chains in flight
-// and the activations loaded once per super-block for all of them (1.1-1.15x at one row).
-template <int O>
-SPECSERVE_AVX512_FN void dot_outputs_avx512(const Q4K* ws, const Rows& x, int64_t k, float* out) {
-  const int64_t supers = k / kSuper;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i pick[4] = {
-      _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1),
-      _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1),
-      _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1),
-      _mm512_inserti64x4(_mm512_set1_epi16(5), _mm256_set1_epi16(7), 1)};
-  __m512 acc[O];
-  for (int o = 0; o < O; ++o) acc[o] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < supers; ++s) {
-    const int8_t* xr = x.q + s * kSuper;
-    const __m512i x0 = _mm512_loadu_si512(xr), x1 = _mm512_loadu_si512(xr + 64);
-    const __m512i x2 = _mm512_loadu_si512(xr + 128), x3 = _mm512_loadu_si512(xr + 192);
-    const __m128i bsum = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.bsum + s * kBlocks));
-    const __m512 xs = _mm512_set1_ps(x.scale[s]);
-#pragma GCC unroll 4
-    for (int o = 0; o < O; ++o) {
-      const Q4K& w = ws[o];
-      const uint8_t* q = w.qs + s * kSuperBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(q + 16 * kSuperBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(q + 16 * kSuperBytes + 64), _MM_HINT_T0);
-      const __m512i sc16 = _mm512_castsi128_si512(
-          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + s * kBlocks))));
-      const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + s * kBlocks)));
-      const __m512i b0 = _mm512_loadu_si512(q), b1 = _mm512_loadu_si512(q + 64);
-      // integer sums are exact in any order: two partial sums, then one add
-      __m512i i0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(_mm512_and_si512(b0, low), x0),
-                                       _mm512_permutexvar_epi16(pick[0], sc16));
-      __m512i i1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(),
-                                       _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(b0, 4), low), x1),
-                                       _mm512_permutexvar_epi16(pick[1], sc16));
-      i0 = _mm512_dpwssd_epi32(i0, _mm512_maddubs_epi16(_mm512_and_si512(b1, low), x2), _mm512_permutexvar_epi16(pick[2], sc16));
-      i1 = _mm512_dpwssd_epi32(i1, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(b1, 4), low), x3),
-                               _mm512_permutexvar_epi16(pick[3], sc16));
-      const __m512i isum = _mm512_add_epi32(i0, i1);
-      const __m512 dd = _mm512_maskz_mov_ps(0x0FFF, _mm512_mask_blend_ps(0x0F00, _mm512_set1_ps(half_to_float(w.d[s])),
-                                                                           _mm512_set1_ps(half_to_float(w.dmin[s]))));
-      const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(isum), _mm512_extracti64x4_epi64(isum, 1));
-      const __m512i lanes = _mm512_inserti32x4(_mm512_zextsi256_si512(folded), _mm_madd_epi16(mn16, bsum), 2);
-      acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(dd, xs), acc[o]);
-    }
-  }
-  for (int o = 0; o < O; ++o) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc[o]);
-    out[o] = specserve::lanes_sum8(lanes) - mins_sum4(lanes + 8);
-  }
-}
-#endif
 
 // The same numbers without AVX2: lane L of a block holds its bytes 4L..4L+3, as madd forms them.
 void dot_row_scalar(const Q4K& w, const Rows& x, int64_t k, float* out) {
