@@ -26,6 +26,7 @@ from serve_app.engine.drafting import draft_rows, lookahead, planned_request
 from serve_app.engine.engine_config import COUPLED, EngineConfig
 from serve_app.engine.exactness import Exactness, make_exact
 from serve_app.engine.kv_cache import KVCache
+from serve_app.engine.logprobs import TokenPieces, emitted_logprobs, prompt_logprobs
 from serve_app.engine.model import DecoderModel
 from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.planner import PlannedRequest, SpeculationPlanner, StatsSink
@@ -41,6 +42,7 @@ from serve_app.engine.request import Completion, Request, RequestOutput
 from serve_app.engine.sampling import PositionNoise, make_generator, new_seed
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.stopping import StopChecker
+from serve_app.engine.token_logprobs import LogprobRun
 from serve_app.engine.verify import verify
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class SpecEngine:
         self.eos_ids = frozenset(i for i in (*eos_ids, tokenizer_eos) if i is not None)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self.pieces = TokenPieces(tokenizer)  # token texts and bytes, for requests asking for logprobs
 
     def _make_exact(self) -> Exactness:
         """Run the target so that a row's numbers do not depend on its batch or verify width
@@ -240,7 +243,12 @@ class SpecEngine:
         self.cache.set_length(request.slot, len(request.prompt_ids))
         logits = self.model.logits(hidden[:, -1:])  # [1, 1, V]
         result = verify(logits, [[]], [None], [request.params], [request.generator], [request.noise_at()])
-        return self._emit(request, result.tokens[0])
+        output, params = self._emit(request, result.tokens[0]), request.params
+        (run,) = emitted_logprobs(logits, [output.new_token_ids], [params.logprobs], self.pieces)
+        prompt = None  # the prompt's own logprobs, from the same forward (echo)
+        if (top := params.prompt_logprobs) is not None:
+            prompt = prompt_logprobs(self.model, hidden, request.prompt_ids, top, self.pieces)
+        return replace(output, logprobs=run, prompt_logprobs=prompt)
 
     def _planned(self, request: Request) -> PlannedRequest:
         draftable = lookahead(self._lookups, request, self.config.max_depth)
@@ -264,9 +272,11 @@ class SpecEngine:
                         [r.params for r in requests], [r.generator for r in requests],
                         [r.noise_at() for r in requests])  # fmt: skip
         target_seconds = time.perf_counter() - target_start
+        # From the verify forward's logits: a verified position's row is plain decoding's (Exact).
+        runs = emitted_logprobs(logits, result.tokens, [r.params.logprobs for r in requests], self.pieces)
         outputs = []
-        for request, decision, draft, accepted, emitted in zip(
-            requests, decisions, drafts, result.num_accepted, result.tokens, strict=True
+        for request, decision, draft, accepted, emitted, run in zip(
+            requests, decisions, drafts, result.num_accepted, result.tokens, runs, strict=True
         ):
             # Keep the fed token and the accepted drafts; the rest of the row is garbage now.
             self.cache.set_length(request.slot, self.cache.lengths[request.slot] + 1 + accepted)
@@ -275,7 +285,8 @@ class SpecEngine:
             request.spec_stats.record(decision.proposer, len(draft.tokens), accepted)
             output = self._emit(request, emitted)
             step = {"step_proposer": decision.proposer, "step_drafted": len(draft.tokens)}
-            outputs.append(replace(output, step_accepted=accepted, **step))
+            kept = run.head(len(output.new_token_ids)) if run is not None else None  # a stop drops the rest
+            outputs.append(replace(output, step_accepted=accepted, logprobs=kept, **step))
         self.planner.observe(
             planned, decisions, [len(d.tokens) for d in drafts], result.num_accepted,
             [len(o.new_token_ids) for o in outputs], target_seconds, draft_seconds, draft_steps,
@@ -356,10 +367,14 @@ class SpecEngine:
         ]
         requests = {i: self._requests[i] for i in ids}
         texts: dict[str, list[str]] = {i: [] for i in ids}
+        runs: dict[str, list[LogprobRun | None]] = {i: [] for i in ids}
+        prompts: dict[str, LogprobRun | None] = {}
         while any(not r.finished for r in requests.values()):
             for output in self.step():
                 if output.request_id in texts:
                     texts[output.request_id].append(output.new_text)
+                    runs[output.request_id].append(output.logprobs)
+                    prompts[output.request_id] = prompts.get(output.request_id) or output.prompt_logprobs
         return [
             Completion(
                 request_id=i,
@@ -370,6 +385,8 @@ class SpecEngine:
                 time_to_first_token=(r.first_token_time - r.arrival_time) if r.first_token_time else None,
                 duration=(r.finish_time or time.perf_counter()) - r.arrival_time,
                 spec_stats=r.spec_stats,
+                logprobs=LogprobRun.concat(runs[i]),
+                prompt_logprobs=prompts.get(i),
             )
             for i, r in requests.items()
         ]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from serve_app.engine.token_logprobs import MAX_LOGPROBS
+
 # Temperatures below this are treated as greedy. Dividing logits by a tiny positive temperature
 # overflows float32 to inf and softmax then yields NaN; at such temperatures the distribution is a
 # one-hot at the argmax anyway (the same threshold vLLM uses).
@@ -25,6 +27,9 @@ class SamplingParams:
     `top_k == 0` and `top_p == 1.0` switch those filters off. `seed` makes sampling reproducible for
     this request; None draws a fresh random seed. `stop` strings and `stop_token_ids` end the
     request (the stop text is not returned); `ignore_eos` keeps generating past the model's EOS.
+    `logprobs` (None = off) returns the target's log-probability of every generated token with the
+    `logprobs` most likely alternatives (0..`MAX_LOGPROBS`); `prompt_logprobs` the same for the
+    prompt's tokens (``engine.logprobs``).
     """
 
     max_tokens: int = 256
@@ -35,6 +40,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON) but store tuples so the object stays hashable.
@@ -56,6 +63,11 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            bad = isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS
+            if k is not None and bad:
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {k!r}")
 
     @property
     def greedy(self) -> bool:

@@ -12,6 +12,7 @@ from serve_app.engine.detokenizer import IncrementalDetokenizer
 from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.sampling import PositionNoise
 from serve_app.engine.stopping import StopChecker
+from serve_app.engine.token_logprobs import LogprobRun
 
 
 @dataclass
@@ -137,6 +138,8 @@ class RequestOutput:
     step_drafted: int = 0  # draft tokens verified this step
     step_accepted: int = 0  # of which accepted
     scheduled_time: float | None = None  # time.perf_counter() when the request got its KV slot
+    logprobs: LogprobRun | None = None  # of new_token_ids, when the request asked (params.logprobs)
+    prompt_logprobs: LogprobRun | None = None  # of the prompt, on the first output (params.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -151,3 +154,5 @@ class Completion:
     time_to_first_token: float | None
     duration: float
     spec_stats: SpecStats | None = None
+    logprobs: LogprobRun | None = None  # of token_ids, when the request asked (params.logprobs)
+    prompt_logprobs: LogprobRun | None = None  # of prompt_ids (params.prompt_logprobs)
