@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from serve_app.engine.request import RequestOutput
+from serve_app.engine.token_logprobs import LogprobRun
 from serve_app.observability.metrics import RequestTimings
 from serve_app.observability.request_spans import RequestSpans
 from serve_app.wire import GenerateChunk, GenerateError, GenerateRequest
@@ -75,35 +76,35 @@ def merge_chunks(
 ) -> list[GenerateChunk]:
     """Turn queued items into chunks: outputs merge into one; an error ends the stream."""
     chunks: list[GenerateChunk] = []
-    text: list[str] = []
-    ids: list[int] = []
-    last: RequestOutput | None = None
+    outputs: list[RequestOutput] = []
     for item in items:
         if isinstance(item, GenerateError):
-            if last is not None:
-                chunks.append(_chunk(request_id, text, ids, last))
+            if outputs:
+                chunks.append(_chunk(request_id, outputs))
             trace.close("error", item)
             chunks.append(GenerateChunk(request_id, finished=True, error=item))
             return chunks
         trace.on_output(item.output, item.time, item.first)
-        last = item.output
-        text.append(last.new_text)
-        ids.extend(last.new_token_ids)
-        if last.finished:
+        outputs.append(item.output)
+        if item.output.finished:
             break
-    if last is not None:
-        chunks.append(_chunk(request_id, text, ids, last))
+    if outputs:
+        chunks.append(_chunk(request_id, outputs))
     return chunks
 
 
-def _chunk(request_id: str, text: list[str], ids: list[int], last: RequestOutput) -> GenerateChunk:
+def _chunk(request_id: str, outputs: list[RequestOutput]) -> GenerateChunk:
+    """One chunk of consecutive outputs: their text, tokens and logprobs joined, the last one's state."""
+    last = outputs[-1]
     return GenerateChunk(
         request_id=request_id,
-        text="".join(text),
-        token_ids=list(ids),
+        text="".join(o.new_text for o in outputs),
+        token_ids=[t for o in outputs for t in o.new_token_ids],
         finished=last.finished,
         finish_reason=last.finish_reason,
         prompt_tokens=last.prompt_tokens,
         completion_tokens=last.completion_tokens,
         speculation=last.spec_stats.as_dict() if last.finished and last.spec_stats else None,
+        logprobs=LogprobRun.concat(o.logprobs for o in outputs),
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
     )

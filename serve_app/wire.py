@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from serve_app.engine.params import SamplingParams, SpecOverride
+from serve_app.engine.token_logprobs import LogprobRun
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class GenerateChunk:
     completion_tokens: int = 0
     speculation: dict[str, Any] | None = None  # SpecStats.as_dict() on the final chunk
     error: GenerateError | None = None
+    logprobs: LogprobRun | None = None  # of token_ids, when the request asked (sampling.logprobs)
+    prompt_logprobs: LogprobRun | None = None  # on the first chunk (sampling.prompt_logprobs)
 
 
 @dataclass(frozen=True)

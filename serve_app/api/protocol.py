@@ -9,8 +9,10 @@ answer; ``routes`` decides). Unknown keys inside our ``speculation`` block are a
 Accepted and ignored by name: `user`, `metadata`, `store`,
 `service_tier`, `parallel_tool_calls`, `stream_options.include_obfuscation`. OpenAI fields
 not implemented here are accepted at their neutral value and otherwise refused with a 400 naming the
-field: `n` != 1, non-zero penalties, `logit_bias`, `logprobs`, tools, a non-text `response_format`,
-`echo`, `suffix`, `best_of` != 1. Extensions: `top_k` (0 or -1 = off), `ignore_eos`,
+field: `n` != 1, non-zero penalties, `logit_bias`, tools, a non-text `response_format`, `suffix`,
+`best_of` != 1. Logprobs (``logprobs_format``): chat `logprobs` + `top_logprobs` (0..20, needs
+`logprobs: true`), completions `logprobs` (0..20: vLLM's bound, above OpenAI's 5) and `echo` (the
+prompt first, with its logprobs when `logprobs` is set). Extensions: `top_k` (0 or -1 = off), `ignore_eos`,
 `stop_token_ids`, `speculation: {"mode": "auto"|"off"|<proposer>, "max_depth": n >= 0}` (no other
 keys). `model` is required, as in OpenAI's API. Chat messages: roles system, developer (given to the
 template as system), user, assistant; content a string or text parts (joined with newlines); keys a
@@ -25,7 +27,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from serve_app.api.errors import APIError
+from serve_app.api.logprobs_format import ChatLogprobs, CompletionLogprobs
 from serve_app.engine.params import MAX_STOP_STRINGS, SamplingParams, SpecOverride
+from serve_app.engine.token_logprobs import MAX_LOGPROBS
 from serve_app.wire import EngineInfo, GenerateRequest
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
@@ -40,9 +44,6 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "presence_penalty": (lambda v: not v, "only 0 is supported (penalties are not implemented)"),
     "frequency_penalty": (lambda v: not v, "only 0 is supported (penalties are not implemented)"),
     "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-    "logprobs": (lambda v: v is None or v is False, "logprobs are not supported"),
-    "top_logprobs": (lambda v: not v, "logprobs are not supported"),
-    "echo": (lambda v: not v, "echo is not supported"),
     "suffix": (lambda v: not v, "suffix is not supported"),
     "tools": (lambda v: not v, "tools are not supported"),
     "functions": (lambda v: not v, "functions are not supported"),
@@ -122,8 +123,8 @@ class CompletionRequest(_Request):
     """``POST /v1/completions``."""
 
     prompt: str | list[int] = Field(description="Text, a list of one text, or token ids (one prompt).")
-    logprobs: int | None = None
-    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # this many alternatives per token
+    echo: bool | None = None  # the prompt before the text (and its logprobs, with logprobs)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -182,13 +183,20 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None  # ignored: there are no tools
     response_format: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):  # OpenAI's and vLLM's rule
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return v
 
 
 def new_request_id(chat: bool) -> str:
@@ -229,6 +237,7 @@ def to_generate_request(
             stop=tuple(req.stop or ()),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            **_logprobs(req),
         )
     except ValueError as e:  # SamplingParams names the field first
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
@@ -246,6 +255,13 @@ def to_generate_request(
     if isinstance(req, CompletionRequest):
         return GenerateRequest(prompt=req.prompt, **common)  # type: ignore[arg-type]
     return GenerateRequest(messages=template_messages(req.messages), **common)  # type: ignore[arg-type]
+
+
+def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> dict[str, int | None]:
+    """The engine's ``logprobs`` / ``prompt_logprobs`` (alternatives per token; None: none asked)."""
+    if isinstance(req, ChatCompletionRequest):
+        return {"logprobs": (req.top_logprobs or 0) if req.logprobs else None}
+    return {"logprobs": req.logprobs, "prompt_logprobs": req.logprobs if req.echo else None}
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -286,7 +302,7 @@ class SpeculationInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -310,7 +326,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -332,7 +348,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from serve_app.api import protocol as p
 from serve_app.api.errors import APIError, ApiKeyMiddleware, install_error_handlers
+from serve_app.api.outcome import Outcome, echo_text
 from serve_app.api.tokenizer_routes import add_tokenizer_routes
 from serve_app.config import ServerSettings
 from serve_app.observability import tracing as otel
@@ -46,30 +47,6 @@ async def _aclose(iterator: Any) -> None:
                 await close()
             except Exception:
                 logger.exception("closing the engine stream failed")
-
-
-class _Outcome:
-    """What a request produced so far. Token counts in chunks are running totals (the last wins)."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.prompt_tokens = self.completion_tokens = self._ids = 0
-        self.finish_reason: str | None = None
-        self.speculation: p.SpeculationInfo | None = None
-
-    def add(self, chunk: GenerateChunk) -> None:
-        self.text.append(chunk.text)
-        self._ids += len(chunk.token_ids)
-        self.prompt_tokens = max(self.prompt_tokens, chunk.prompt_tokens)
-        self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens, self._ids)
-        if chunk.finished:
-            self.finish_reason = chunk.finish_reason or "stop"
-        if chunk.speculation is not None:
-            self.speculation = p.SpeculationInfo.model_validate(chunk.speculation)
-
-    def usage(self) -> p.Usage:
-        n_in, n_out = self.prompt_tokens, self.completion_tokens
-        return p.Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
 
 
 class _Span:
@@ -105,7 +82,7 @@ class _Span:
         if self.ttft is None and chunk.token_ids:
             self.ttft = time.perf_counter() - self.t0
 
-    def end(self, outcome: _Outcome | None = None, error: BaseException | None = None) -> None:
+    def end(self, outcome: Outcome | None = None, error: BaseException | None = None) -> None:
         span, self.span = self.span, None
         if span is None:
             return
@@ -241,15 +218,18 @@ class _Ingress:
             rid = p.new_request_id(chat)
             limit = min(info.max_tokens_limit, self.settings.max_tokens_limit or info.max_tokens_limit)
             greq = span.start(p.to_generate_request(body, info, request_id=rid, max_tokens_limit=limit), info)
+            out = Outcome(chat, None if chat else await echo_text(self.client, body))
             if body.stream:
-                return await self._stream(greq, body, span, request)
-            return await self._complete(greq, body, span, request)
+                return await self._stream(greq, body, span, request, out)
+            return await self._complete(greq, body, span, request, out)
         except BaseException as e:
             span.end(error=e)
             raise
 
-    async def _complete(self, greq: GenerateRequest, body: Any, span: _Span, request: Request) -> Response:
-        out, stream = _Outcome(), self.client.generate(greq)
+    async def _complete(
+        self, greq: GenerateRequest, body: Any, span: _Span, request: Request, out: Outcome
+    ) -> Response:
+        stream = self.client.generate(greq)
 
         async def collect() -> None:
             async for chunk in stream:
@@ -268,18 +248,14 @@ class _Ingress:
         span.end(out, error)
         if error is not None:
             raise error
-        text, reason = "".join(out.text), out.finish_reason
         base = {"id": greq.request_id, "created": int(time.time()), "model": body.model, "usage": out.usage()}
-        result: BaseModel
-        if isinstance(body, p.ChatCompletionRequest):
-            choice = p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=reason)
-            result = p.ChatCompletion(choices=[choice], speculation=out.speculation, **base)
-        else:
-            choices = [p.CompletionChoice(text=text, finish_reason=reason)]
-            result = p.Completion(choices=choices, speculation=out.speculation, **base)
+        kind = p.ChatCompletion if isinstance(body, p.ChatCompletionRequest) else p.Completion
+        result = kind(choices=[out.choice()], speculation=out.speculation, **base)
         return JSONResponse(result.model_dump(mode="json"), headers={"X-Request-Id": greq.request_id})
 
-    async def _stream(self, greq: GenerateRequest, body: Any, span: _Span, request: Request) -> Response:
+    async def _stream(
+        self, greq: GenerateRequest, body: Any, span: _Span, request: Request, out: Outcome
+    ) -> Response:
         stream, deadline = self.client.generate(greq), anyio.current_time() + self.timeout
         got: list[GenerateChunk] = []
 
@@ -296,18 +272,25 @@ class _Ingress:
         except BaseException:
             await _aclose(stream)
             raise
-        first, chat, out = got[0], isinstance(body, p.ChatCompletionRequest), _Outcome()
+        first, chat = got[0], isinstance(body, p.ChatCompletionRequest)
         usage = bool(body.stream_options and body.stream_options.include_usage)
         base = {"id": greq.request_id, "created": int(time.time()), "model": body.model}
 
-        def event(text: str | None, reason: str | None = None, first: bool = False, **extra: Any) -> str:
+        def event(
+            text: str | None,
+            reason: str | None = None,
+            first: bool = False,
+            logprobs: Any = None,
+            **extra: Any,
+        ) -> str:
+            choice: BaseModel
             if chat:
                 delta = p.ChatDelta(role="assistant" if first else None, content=text)
-                choices = [] if extra.get("usage") else [p.ChatChunkChoice(delta=delta, finish_reason=reason)]
-                return _sse(p.ChatCompletionChunk(choices=choices, **base, **extra))
-            choice = p.CompletionChoice(text=text or "", finish_reason=reason)
-            choices = [] if extra.get("usage") else [choice]
-            return _sse(p.Completion(choices=choices, **base, **extra))
+                choice = p.ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=reason)
+            else:
+                choice = p.CompletionChoice(text=text or "", logprobs=logprobs, finish_reason=reason)
+            kind = p.ChatCompletionChunk if chat else p.Completion
+            return _sse(kind(choices=[] if extra.get("usage") else [choice], **base, **extra))
 
         async def events() -> AsyncGenerator[str, None]:
             chunk, error = first, None
@@ -317,8 +300,9 @@ class _Ingress:
                 while chunk.error is None:
                     span.saw(chunk)  # a no-op after the first chunk, which carries the first token
                     out.add(chunk)
-                    if chunk.text:
-                        yield event(chunk.text)
+                    text, logprobs = out.streamed(chunk)  # the echoed prompt leads the first
+                    if text or logprobs is not None:  # tokens whose text is held back still show
+                        yield event(text, logprobs=logprobs)
                     if chunk.finished:
                         yield event(None, out.finish_reason, speculation=out.speculation)
                         if usage:

@@ -280,7 +280,9 @@ BAD_REQUESTS = [
     ("chat", {"n": 2}, 400, "n", "only n=1"),
     ("chat", {"presence_penalty": 0.5}, 400, "presence_penalty", "only 0"),
     ("chat", {"frequency_penalty": -1}, 400, "frequency_penalty", "only 0"),
-    ("chat", {"logprobs": True}, 400, "logprobs", "not supported"),
+    ("chat", {"top_logprobs": 2}, 400, "top_logprobs", "needs logprobs set to true"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "less than or equal to 20"),
+    ("chat", {"logprobs": 1}, 400, "logprobs", "valid boolean"),
     ("chat", {"tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed when stream"),
     ("chat", {"max_tokens": 101}, 400, "max_tokens", "max_tokens is too large"),
@@ -296,8 +298,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": 5}, 400, "prompt", "a list of token ids"),
     ("completions", {"stop": [""]}, 400, "stop", "non-empty strings"),
     ("completions", {"stop": 3}, 400, "stop", "non-empty string or a list"),
-    ("completions", {"logprobs": 2}, 400, "logprobs", "not supported"),
-    ("completions", {"echo": True}, 400, "echo", "not supported"),
+    ("completions", {"logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
+    ("completions", {"logprobs": -1}, 400, "logprobs", "greater than or equal to 0"),
+    ("completions", {"echo": "yes"}, 400, "echo", "valid boolean"),
     ("completions", {"seed": 2**70}, 400, "seed", "less than or equal"),
 ]
 # fmt: on
