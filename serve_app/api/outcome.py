@@ -55,7 +55,8 @@ class Outcome:
         if chunk.speculation is not None:
             self.speculation = p.SpeculationInfo.model_validate(chunk.speculation)
         self.logprobs.append(chunk.logprobs)
-        self.prompt_logprobs = self.prompt_logprobs or chunk.prompt_logprobs
+        if chunk.prompt_logprobs is not None:  # the first chunk's
+            self.prompt_logprobs = chunk.prompt_logprobs
 
     def usage(self) -> p.Usage:
         n_in, n_out = self.prompt_tokens, self.completion_tokens

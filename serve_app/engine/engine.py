@@ -374,7 +374,8 @@ class SpecEngine:
                 if output.request_id in texts:
                     texts[output.request_id].append(output.new_text)
                     runs[output.request_id].append(output.logprobs)
-                    prompts[output.request_id] = prompts.get(output.request_id) or output.prompt_logprobs
+                    if output.prompt_logprobs is not None:  # the first output's
+                        prompts[output.request_id] = output.prompt_logprobs
         return [
             Completion(
                 request_id=i,
