@@ -14,6 +14,7 @@ from serve_app.engine.logprobs import TokenPieces
 from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.token_logprobs import MAX_LOGPROBS, LogprobRun
 from tests.conftest import make_tiny_engine, make_tiny_hf_model
+from tests.engine.quantized_helpers import require_built_kernels
 
 PROMPTS = ["def add(a, b):", "for i in range(10):", "The quick brown fox"]
 NGRAM = {"max_ngram": 3, "min_ngram": 1}
@@ -160,3 +161,23 @@ def test_sampling_params_bound_the_alternatives(bad) -> None:
     for name in ("logprobs", "prompt_logprobs"):
         with pytest.raises(ValueError, match=name):
             SamplingParams(**{name: bad})
+
+
+def test_a_q8_target_returns_the_same_logprobs_with_speculation(tiny_tokenizer) -> None:
+    """The served models compute on quantized blocks: the same identity holds there (the kernels'
+    rows are exact too)."""
+    require_built_kernels()
+    hf = make_tiny_hf_model(len(tiny_tokenizer), layers=2)
+    engine = make_tiny_engine(hf, tiny_tokenizer, proposers={"ngram": NGRAM, "self": {}}, self_skip=[1],
+                              weight_format="q8")  # fmt: skip
+    prompts = [tiny_tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    params = PARAMS[:2]
+    plain = engine.generate(prompts, params, SpecOverride("off"))
+    accepted = 0
+    for mode in ("ngram", "self"):
+        for depth in (1, 4):
+            for s, p in zip(engine.generate(prompts, params, SpecOverride(mode, depth)), plain, strict=True):
+                assert s.token_ids == p.token_ids
+                assert_identical(s.logprobs, p.logprobs)
+                accepted += s.spec_stats.accepted
+    assert accepted > 0
