@@ -29,6 +29,7 @@ from serve_app.engine.kv_cache import KVCache
 from serve_app.engine.logprobs import TokenPieces, emitted_logprobs, prompt_logprobs
 from serve_app.engine.model import DecoderModel
 from serve_app.engine.params import SamplingParams, SpecOverride
+from serve_app.engine.penalties import PenaltyState, penalize
 from serve_app.engine.planner import PlannedRequest, SpeculationPlanner, StatsSink
 from serve_app.engine.profiling import profile_cost_model
 from serve_app.engine.proposers.base import (
@@ -204,6 +205,7 @@ class SpecEngine:
             params=params,
             generator=None if params.greedy or coupled else make_generator(seed, self.model.device),
             noise=PositionNoise(seed) if coupled else None,
+            penalties=PenaltyState.for_request(params, prompt_ids, vocab, self.model.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stopper=StopChecker.from_params(params, self.eos_ids),
             speculation=speculation,
@@ -242,7 +244,8 @@ class SpecEngine:
         hidden = self.model.forward(tokens, self.cache, [request.slot])
         self.cache.set_length(request.slot, len(request.prompt_ids))
         logits = self.model.logits(hidden[:, -1:])  # [1, 1, V]
-        result = verify(logits, [[]], [None], [request.params], [request.generator], [request.noise_at()])
+        scored = penalize(logits, [request], [[]])  # penalties / logit_bias; logprobs read the raw logits
+        result = verify(scored, [[]], [None], [request.params], [request.generator], [request.noise_at()])
         output, params = self._emit(request, result.tokens[0]), request.params
         (run,) = emitted_logprobs(logits, [output.new_token_ids], [params.logprobs], self.pieces)
         prompt = None  # the prompt's own logprobs, from the same forward (echo)
@@ -268,7 +271,8 @@ class SpecEngine:
         slots = [r.slot for r in requests]
         hidden = self.model.forward(tokens.to(self.model.device), self.cache, slots)  # [B, 1 + K, H]
         logits = self.model.logits(hidden)  # [B, 1 + K, V]
-        result = verify(logits, [d.tokens for d in drafts], [d.probs for d in drafts],
+        scored = penalize(logits, requests, [d.tokens for d in drafts])  # each position after its prefix
+        result = verify(scored, [d.tokens for d in drafts], [d.probs for d in drafts],
                         [r.params for r in requests], [r.generator for r in requests],
                         [r.noise_at() for r in requests])  # fmt: skip
         target_seconds = time.perf_counter() - target_start

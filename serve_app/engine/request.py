@@ -10,6 +10,7 @@ import torch
 
 from serve_app.engine.detokenizer import IncrementalDetokenizer
 from serve_app.engine.params import SamplingParams, SpecOverride
+from serve_app.engine.penalties import PenaltyState
 from serve_app.engine.sampling import PositionNoise
 from serve_app.engine.stopping import StopChecker
 from serve_app.engine.token_logprobs import LogprobRun
@@ -98,6 +99,7 @@ class Request:
     finish_time: float | None = None
     aborted: bool = False
     noise: PositionNoise | None = None  # coupled sampling (sampling.PositionNoise); None otherwise
+    penalties: PenaltyState | None = None  # penalties / logit_bias (engine.penalties); None: none
 
     @property
     def finished(self) -> bool:
