@@ -48,6 +48,16 @@ the requests after it; 0.02 (a memory of ~50 verdicts) keeps it near what the cl
 In the policy simulator's mixed workload these two moved goodput from 1.075x to 1.102x the best
 single static depth; the sweep is in BENCHMARKS.md ("Speculation policies").
 
+Guesses and evidence (the cold trap). A prior for a named workload is the shared statistics'
+measurement and is taken as given. A prior for every workload (``"*"``: what a proposer registered
+as its cold acceptance) and the default are guesses: a pool that starts from one averages its first
+verdicts with it (steps max(pool_alpha, 1 / (n + prior_weight))), and while it has little evidence
+it reads optimistic, each position raised towards 1 by ``optimism`` x (1 - rate) x w / (n_j + w).
+Without that a fresh cluster whose guess (0.7 for the draft model) says drafting does not pay at 4
+or 8 requests in flight never drafts, so it never learns that it does (goodput 0.948x and 0.962x
+the best static depth there in the policy simulator's ``--no-priors`` run); with ``optimism`` = 0.5
+every load is within 5% of the oracle (BENCHMARKS.md, "Thirteenth session").
+
 ``drain_counts`` hands the raw counts since the last drain to the shared-stats writer.
 """
 
@@ -99,15 +109,19 @@ class AcceptanceEstimator:
         prior_weight: float = 8.0,
         pool_alpha: float = 0.02,
         relax: float = 0.05,
+        optimism: float = 0.5,
     ) -> None:
         """``priors``: (proposer, workload) or (model_pair, proposer, workload) -> rates per position.
 
         3-tuples of another ``model_pair`` are ignored; workload ``"*"`` applies to every workload.
-        A prior shorter than ``max_depth`` repeats its last value.
+        A prior shorter than ``max_depth`` repeats its last value. Priors for workload ``"*"`` are
+        guesses, the others evidence; ``optimism``: how far a guess reads towards 1 before it is
+        judged (module doc).
         """
-        if not 0 < alpha <= 1 or not 0 < pool_alpha <= 1 or not 0 <= relax <= 1:
-            raise ValueError("alpha and pool_alpha must be in (0, 1], relax in [0, 1]")
+        if not 0 < alpha <= 1 or not 0 < pool_alpha <= 1 or not 0 <= relax <= 1 or not 0 <= optimism <= 1:
+            raise ValueError("alpha and pool_alpha must be in (0, 1], relax and optimism in [0, 1]")
         self.relax = relax
+        self.optimism = optimism
         self.max_depth = max_depth
         self.alpha = alpha
         self.prior_weight = prior_weight
@@ -148,9 +162,29 @@ class AcceptanceEstimator:
         """What a request of ``workload`` with no history of ``proposer`` is estimated at."""
         pool = self._pool.get((proposer, workload))
         if pool is not None:
-            return tuple(self._lean(pool, self._pool_seen[(proposer, workload)]))
-        prior = self._priors.get((proposer, workload)) or self._priors.get((proposer, ANY))
-        return prior if prior is not None else self.default
+            seen = self._pool_seen[(proposer, workload)]
+            return tuple(self._optimistic(self._lean(pool, seen), seen))
+        prior = self._priors.get((proposer, workload))
+        if prior is not None:  # evidence (the shared statistics): as given
+            return prior
+        guess = self._priors.get((proposer, ANY)) or self.default
+        return tuple(self._optimistic(list(guess), ()))
+
+    def _has_evidence(self, proposer: str, workload: str) -> bool:
+        """A prior for this very workload is the shared statistics' measurement; one for ``"*"``
+        (what a proposer registered as its cold acceptance) or the default is a guess."""
+        return (proposer, workload) in self._priors
+
+    def _optimistic(self, rates: list[float], seen: Sequence[float]) -> list[float]:
+        """Each position raised towards 1 by ``optimism`` of the gap, fading as the pool is judged
+        there: w / (n_j + w) with w = ``prior_weight`` (module doc: the cold trap)."""
+        if not self.optimism:
+            return rates
+        w = self.prior_weight
+        for j, rate in enumerate(rates):
+            n = seen[j] if j < len(seen) else 0.0
+            rates[j] = rate + self.optimism * (1.0 - rate) * w / (n + w)
+        return rates
 
     def _lean(self, rates: Sequence[float], seen: Sequence[float]) -> list[float]:
         """Each position past the first blended with the one before it by evidence (module doc)."""
@@ -175,18 +209,22 @@ class AcceptanceEstimator:
         workload = self._workload.setdefault(request_id, workload or ANY)
         pool_key = (proposer, workload)
         if pool_key not in self._pool:
-            has_prior = (proposer, workload) in self._priors or (proposer, ANY) in self._priors
-            self._pool_seen[pool_key] = [1e9 if has_prior else 0.0] * self.max_depth
-            self._pool[pool_key] = list(self.prior(proposer, workload))
+            evidence = self._has_evidence(proposer, workload)
+            self._pool_seen[pool_key] = [1e9 if evidence else 0.0] * self.max_depth
+            known = self._priors.get(pool_key) or self._priors.get((proposer, ANY)) or self.default
+            self._pool[pool_key] = list(known)
         pool = self._pool[pool_key]
+        pool_seen = self._pool_seen[pool_key]
         rates = self._rates.setdefault(request_id, {}).setdefault(proposer, list(pool))
         seen = self._seen.setdefault(request_id, {}).setdefault(proposer, [0] * self.max_depth)
         for j in range(min(accepted + 1, drafted)):
             hit = 1.0 if j < accepted else 0.0
             seen[j] += 1
             rates[j] += max(self.alpha, 1.0 / (seen[j] + self.prior_weight)) * (hit - rates[j])
-            pool[j] += self.pool_alpha * (hit - pool[j])
-            self._pool_seen[pool_key][j] += 1
+            # a pool that started from a guess averages its first verdicts with it (as if it were
+            # prior_weight verdicts), then tracks with pool_alpha; one backed by evidence: pool_alpha
+            pool_seen[j] += 1
+            pool[j] += max(self.pool_alpha, 1.0 / (pool_seen[j] + self.prior_weight)) * (hit - pool[j])
         self._counts.setdefault(pool_key, PositionCounts()).add(drafted, accepted)
 
     def estimate(

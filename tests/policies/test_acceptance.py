@@ -17,6 +17,7 @@ def test_priors_default_and_lookup_order():
         default=0.7,
         decay=0.5,
         max_depth=4,
+        optimism=0.0,  # the guesses as given (test_a_guess_is_explored_optimistically)
     )
     assert est.estimate("r", "draft", 4, workload="code") == (0.9, 0.8, 0.8, 0.8)
     assert est.estimate("r", "draft", 2, workload="prose") == (0.5, 0.5)
@@ -24,7 +25,7 @@ def test_priors_default_and_lookup_order():
     assert est.estimate("r", "medusa", 3) == (0.7, 0.35, 0.175)
     assert est.estimate("r", "draft", 6, workload="code")[-1] == 0.8  # longer than max_depth: repeats
     other = AcceptanceEstimator(
-        {("pairB", "draft", "prose"): (0.5,)}, model_pair="pairA", default=0.6, decay=1
+        {("pairB", "draft", "prose"): (0.5,)}, model_pair="pairA", default=0.6, decay=1, optimism=0.0
     )
     assert other.estimate("r", "draft", 1, workload="prose") == (0.6,)
 
@@ -71,7 +72,7 @@ def test_warm_start_then_fixed_step():
 
 
 def test_a_new_request_starts_from_its_workload_pool():
-    est = AcceptanceEstimator(default=0.5, decay=1.0, pool_alpha=0.2)
+    est = AcceptanceEstimator(default=0.5, decay=1.0, pool_alpha=0.2, optimism=0.0)
     for i in range(30):
         est.update(f"old{i}", "draft", 3, 3, workload="code")
     code = est.estimate("new", "draft", 3, workload="code")
@@ -151,7 +152,7 @@ def test_bad_parameters():
 def test_positions_never_drafted_follow_the_deepest_observed_one():
     """A request that only ever drafts one token still learns that deeper drafts would pay
     (otherwise deeper positions stay at the default and a policy never tries them)."""
-    est = AcceptanceEstimator(default=0.5, decay=0.9, max_depth=4)
+    est = AcceptanceEstimator(default=0.5, decay=0.9, max_depth=4, optimism=0.0)
     est.start("r", "code")
     for _ in range(30):
         est.update("r", "draft", drafted=1, accepted=1)
@@ -186,3 +187,26 @@ def test_one_unlucky_request_moves_its_class_little_by_default():
     for _ in range(10):
         fast.update("r", "draft", 1, 0)
     assert fast.prior("draft", "prose")[0] < 0.4
+
+
+def test_a_guess_is_explored_optimistically_until_judged():
+    """A cold cluster's registered acceptance (a prior for every workload, "*") or the default is a
+    guess: a pool that starts from it reads optimistic by optimism x (1 - rate) x w / (n + w) and
+    averages its first verdicts with it, so a policy tries the proposer instead of trusting a
+    pessimistic guess forever (the cold trap). Measured evidence (a prior for the very workload,
+    the shared statistics) is taken as given."""
+    est = AcceptanceEstimator({("draft", "*"): (0.5,)}, decay=1.0, max_depth=2, prior_weight=8.0,
+                              pool_alpha=0.02, optimism=0.5)  # fmt: skip
+    assert est.estimate("new", "draft", 1, workload="code") == (pytest.approx(0.75),)  # 0.5 + 0.5 * 0.5
+    for i in range(8):  # eight requests each see position 0 rejected
+        est.update(f"r{i}", "draft", drafted=1, accepted=0, workload="code")
+    # the pool's steps 1 / (n + 8) leave 0.5 * 8 / 16; the optimism fades to 8 / 16 of its start
+    pool = 0.5 * 8 / 16
+    assert est.prior("draft", "code")[0] == pytest.approx(pool + 0.5 * (1 - pool) * 8 / 16)
+    assert est.estimate("new", "draft", 1, workload="prose") == (pytest.approx(0.75),)  # another pool
+    est.set_prior("draft", "json", (0.5,))  # the shared statistics for json: evidence
+    assert est.estimate("new", "draft", 1, workload="json") == (0.5,)
+    est.update("j", "draft", drafted=1, accepted=0, workload="json")
+    assert est.prior("draft", "json")[0] == pytest.approx(0.5 - 0.02 * 0.5)  # pool_alpha steps
+    with pytest.raises(ValueError, match="optimism"):
+        AcceptanceEstimator(optimism=1.5)

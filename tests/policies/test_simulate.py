@@ -91,14 +91,18 @@ def test_goodput_at_middle_load_stays_near_the_better_of_plain_and_static():
 
 
 def test_estimator_options_reach_the_estimator():
-    # No priors: a request starts from the estimator's default acceptance. At default 0 goodput
-    # expects nothing from a draft and stays plain (its relaxation pulls back towards 0 too); at 0.9
-    # it drafts from the first step.
+    # No priors: a request starts from the estimator's default acceptance. At default 0 without
+    # optimism goodput expects nothing from a draft and stays plain (its relaxation pulls back
+    # towards 0 too); at 0.9 it drafts from the first step; at default 0 with the default optimism
+    # it tries the draft (the guess is not evidence) and learns that it pays.
     traces = uniform_traces({"code": WORKLOADS["code"]}, 2)
     policy = lambda: create_policy("goodput", PolicyConfig(default_proposer="draft"))  # noqa: E731
     cold = simulate(policy(), traces, qwen_cpu_cost(), 1, proposers=("draft",),
-                    estimator_options={"default": 0.0})  # fmt: skip
+                    estimator_options={"default": 0.0, "optimism": 0.0})  # fmt: skip
     warm = simulate(policy(), traces, qwen_cpu_cost(), 1, proposers=("draft",),
                     estimator_options={"default": 0.9})  # fmt: skip
+    explored = simulate(policy(), traces, qwen_cpu_cost(), 1, proposers=("draft",),
+                        estimator_options={"default": 0.0})  # fmt: skip
     assert cold.drafted["draft"] == 0
     assert warm.drafted["draft"] > 0 and warm.tokens_per_second > cold.tokens_per_second
+    assert explored.drafted["draft"] > 0 and explored.tokens_per_second > cold.tokens_per_second
