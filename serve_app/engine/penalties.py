@@ -29,14 +29,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from serve_app.engine.params import SamplingParams
-
-if TYPE_CHECKING:
-    from serve_app.engine.request import Request
 
 
 @dataclass
@@ -81,9 +78,16 @@ class PenaltyState:
             self.counted = len(output_ids)
 
 
+class Penalized(Protocol):
+    """What ``penalize`` reads of a request (``request.Request``, which imports this module)."""
+
+    penalties: PenaltyState | None
+    output_ids: list[int]
+
+
 def penalize(
     logits: torch.Tensor,  # [B, T, V] raw target logits: row b scores its last token and its draft
-    requests: Sequence[Request],  # len B
+    requests: Sequence[Penalized],  # len B
     drafts: Sequence[Sequence[int]],  # per row, the drafted tokens (len depth_b <= T - 1)
 ) -> torch.Tensor:  # [B, T, V]: the logits itself, or a float32 copy with penalized rows changed
     """The logits plain decoding samples from at every used (row, position) (module docstring).
