@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from policies import FittedCostModel, PolicyConfig, create_policy
+from serve_app.engine.batch import run_batch
 from serve_app.engine.block_file import resolve_weight_format
 from serve_app.engine.decoder_config import read_generation_eos
 from serve_app.engine.detokenizer import IncrementalDetokenizer
@@ -25,6 +26,7 @@ from serve_app.engine.device import DTYPES, resolve_device, resolve_dtype
 from serve_app.engine.drafting import draft_rows, lookahead, planned_request
 from serve_app.engine.engine_config import COUPLED, EngineConfig
 from serve_app.engine.exactness import Exactness, make_exact
+from serve_app.engine.grammar import GrammarCompiler, constrain, trim_drafts
 from serve_app.engine.kv_cache import KVCache
 from serve_app.engine.logprobs import TokenPieces, emitted_logprobs, prompt_logprobs
 from serve_app.engine.model import DecoderModel
@@ -43,7 +45,6 @@ from serve_app.engine.request import Completion, Request, RequestOutput
 from serve_app.engine.sampling import PositionNoise, make_generator, new_seed
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.stopping import StopChecker
-from serve_app.engine.token_logprobs import LogprobRun
 from serve_app.engine.verify import verify
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class SpecEngine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.pieces = TokenPieces(tokenizer)  # token texts and bytes, for requests asking for logprobs
+        # Structured output (response_format): compiles each request's grammar.
+        self.grammars = GrammarCompiler(tokenizer, model.cfg.vocab_size, sorted(self.eos_ids))
 
     def _make_exact(self) -> Exactness:
         """Run the target so that a row's numbers do not depend on its batch or verify width
@@ -206,6 +209,7 @@ class SpecEngine:
             generator=None if params.greedy or coupled else make_generator(seed, self.model.device),
             noise=PositionNoise(seed) if coupled else None,
             penalties=PenaltyState.for_request(params, prompt_ids, vocab, self.model.device),
+            grammar=self.grammars.compile(params.structured) if params.structured else None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stopper=StopChecker.from_params(params, self.eos_ids),
             speculation=speculation,
@@ -245,6 +249,7 @@ class SpecEngine:
         self.cache.set_length(request.slot, len(request.prompt_ids))
         logits = self.model.logits(hidden[:, -1:])  # [1, 1, V]
         scored = penalize(logits, [request], [[]])  # penalties / logit_bias; logprobs read the raw logits
+        scored = constrain(scored, [request], [[]])  # the grammar's mask (structured output)
         result = verify(scored, [[]], [None], [request.params], [request.generator], [request.noise_at()])
         output, params = self._emit(request, result.tokens[0]), request.params
         (run,) = emitted_logprobs(logits, [output.new_token_ids], [params.logprobs], self.pieces)
@@ -262,6 +267,7 @@ class SpecEngine:
         planned = [self._planned(r) for r in requests]
         decisions = self.planner.decide(planned, self.scheduler.num_waiting)
         drafts, draft_seconds, draft_steps = draft_rows(self.proposers, requests, decisions)
+        drafts = trim_drafts(requests, drafts)  # a token the grammar refuses ends its draft
         target_start = time.perf_counter()
         width = 1 + max(len(d.tokens) for d in drafts)
         tokens = torch.zeros(len(requests), width, dtype=torch.long)  # [B, 1 + K], right-padded
@@ -272,6 +278,7 @@ class SpecEngine:
         hidden = self.model.forward(tokens.to(self.model.device), self.cache, slots)  # [B, 1 + K, H]
         logits = self.model.logits(hidden)  # [B, 1 + K, V]
         scored = penalize(logits, requests, [d.tokens for d in drafts])  # each position after its prefix
+        scored = constrain(scored, requests, [d.tokens for d in drafts])  # likewise the grammar's mask
         result = verify(scored, [d.tokens for d in drafts], [d.probs for d in drafts],
                         [r.params for r in requests], [r.generator for r in requests],
                         [r.noise_at() for r in requests])  # fmt: skip
@@ -369,29 +376,4 @@ class SpecEngine:
             self.add_request(p, sp, speculation=so)
             for p, sp, so in zip(prompts, params_list, specs, strict=True)
         ]
-        requests = {i: self._requests[i] for i in ids}
-        texts: dict[str, list[str]] = {i: [] for i in ids}
-        runs: dict[str, list[LogprobRun | None]] = {i: [] for i in ids}
-        prompts: dict[str, LogprobRun | None] = {}
-        while any(not r.finished for r in requests.values()):
-            for output in self.step():
-                if output.request_id in texts:
-                    texts[output.request_id].append(output.new_text)
-                    runs[output.request_id].append(output.logprobs)
-                    if output.prompt_logprobs is not None:  # the first output's
-                        prompts[output.request_id] = output.prompt_logprobs
-        return [
-            Completion(
-                request_id=i,
-                prompt_ids=r.prompt_ids,
-                token_ids=list(r.output_ids),
-                text="".join(texts[i]),
-                finish_reason=r.finish_reason,
-                time_to_first_token=(r.first_token_time - r.arrival_time) if r.first_token_time else None,
-                duration=(r.finish_time or time.perf_counter()) - r.arrival_time,
-                spec_stats=r.spec_stats,
-                logprobs=LogprobRun.concat(runs[i]),
-                prompt_logprobs=prompts.get(i),
-            )
-            for i, r in requests.items()
-        ]
+        return run_batch(self.step, [self._requests[i] for i in ids])

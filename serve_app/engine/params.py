@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from serve_app.engine.structured import StructuredOutput
 from serve_app.engine.token_logprobs import MAX_LOGPROBS
 
 # Temperatures below this are treated as greedy. Dividing logits by a tiny positive temperature
@@ -39,6 +40,9 @@ class SamplingParams:
     the prompt or the output has a positive logit divided by it, a negative one multiplied), then
     `frequency_penalty` (times the token's count in the output) and `presence_penalty` (once if it
     occurs in the output) subtracted, both in [-2, 2] (OpenAI). Logprobs stay the raw logits'.
+
+    `structured` (None = free text) holds the output to a grammar (``engine.structured``: a JSON
+    object or a JSON schema): ``engine.grammar`` masks the target's tokens at every position.
     """
 
     max_tokens: int = 256
@@ -55,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted; a dict is accepted
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON) but store tuples so the object stays hashable.

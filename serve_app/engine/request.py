@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serve_app.engine.detokenizer import IncrementalDetokenizer
+from serve_app.engine.grammar import Grammar
 from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.penalties import PenaltyState
 from serve_app.engine.sampling import PositionNoise
@@ -100,6 +101,7 @@ class Request:
     aborted: bool = False
     noise: PositionNoise | None = None  # coupled sampling (sampling.PositionNoise); None otherwise
     penalties: PenaltyState | None = None  # penalties / logit_bias (engine.penalties); None: none
+    grammar: Grammar | None = None  # structured output (engine.grammar); None: free text
 
     @property
     def finished(self) -> bool:
