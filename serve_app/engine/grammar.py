@@ -38,13 +38,9 @@ from typing import Any, Protocol
 import torch
 
 from serve_app.engine.proposers.base import Draft
-from serve_app.engine.structured import JSON_OBJECT, StructuredOutput
+from serve_app.engine.structured import StructuredOutput
 
 log = logging.getLogger(__name__)
-
-# What JSON the grammar lets the model write: json.dumps' separators and no other whitespace. A
-# flexible-whitespace grammar lets a small model run on in newlines and spaces until max_tokens.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 _BITS = torch.arange(32, dtype=torch.int32)  # bit j of a mask word is token 32 * word + j
 
@@ -77,12 +73,7 @@ class GrammarCompiler:
         (invalid, or a feature llguidance does not support), naming why."""
         import llguidance
 
-        schema = '{"type": "object"}' if spec.kind == JSON_OBJECT else spec.schema_json
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
-        except ValueError as e:
-            raise ValueError(f"invalid JSON schema: {e}") from None
-        matcher = llguidance.LLMatcher(self.lltokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.lltokenizer(), spec.grammar(), log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid JSON schema: {matcher.get_error()}")
         return Grammar(matcher, self.vocab_size, self.eos_ids)

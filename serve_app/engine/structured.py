@@ -1,9 +1,11 @@
-"""What a request's output must be (OpenAI's ``response_format``), as data; no torch, no grammar library.
+"""What a request's output must be (OpenAI's ``response_format``), as data; no torch.
 
 A ``StructuredOutput`` rides in ``SamplingParams.structured`` across the Ray handle; the engine
 compiles it into a per-request grammar (``engine.grammar``) that masks the target's tokens. The HTTP
 layer builds one from ``response_format`` (JSON object, JSON schema); other callers (tool calls
 forced by ``tool_choice``) build one from any JSON schema with ``StructuredOutput.json_schema``.
+``grammar()`` is its llguidance grammar and ``check()`` validates it without a tokenizer (the
+ingress answers a schema the library cannot compile with a 400 before anything runs).
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ JSON_SCHEMA = "json_schema"
 
 # Any JSON object (OpenAI's json_object mode: "the model's output is valid JSON", an object).
 _ANY_OBJECT = '{"type": "object"}'
+
+# What JSON the grammar lets the model write: json.dumps' separators and no other whitespace. A
+# flexible-whitespace grammar lets a small model run on in newlines and spaces until max_tokens.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -56,3 +62,22 @@ class StructuredOutput:
     @property
     def schema(self) -> dict[str, Any] | bool:
         return json.loads(self.schema_json)
+
+    def grammar(self) -> str:
+        """The llguidance grammar (JSON text) of this output; ValueError for a malformed schema."""
+        import llguidance
+
+        schema = _ANY_OBJECT if self.kind == JSON_OBJECT else self.schema_json
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        except ValueError as e:
+            raise ValueError(f"invalid JSON schema: {e}") from None
+
+    def check(self) -> None:
+        """Raise ValueError (naming why) when the grammar library cannot compile this schema:
+        invalid JSON Schema, or a feature it does not support."""
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(self.grammar())
+        if error:
+            raise ValueError(f"invalid JSON schema: {error}")

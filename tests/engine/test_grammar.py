@@ -39,7 +39,11 @@ NESTED = {
     "required": ["kind", "inner"],
     "additionalProperties": False,
 }
-FORMATS = [StructuredOutput.json_schema(SCHEMA), StructuredOutput.json_schema(NESTED), StructuredOutput.json_object()]
+FORMATS = [
+    StructuredOutput.json_schema(SCHEMA),
+    StructuredOutput.json_schema(NESTED),
+    StructuredOutput.json_object(),
+]
 NGRAM = {"max_ngram": 3, "min_ngram": 1}
 
 
@@ -101,7 +105,9 @@ def test_plain_text_and_structured_requests_share_a_batch(engine, prompts) -> No
         assert result.token_ids == alone.token_ids
 
 
-def test_rejection_sampling_with_a_draft_distribution_stays_in_the_grammar(target_hf, tiny_tokenizer, prompts):
+def test_rejection_sampling_with_a_draft_distribution_stays_in_the_grammar(
+    target_hf, tiny_tokenizer, prompts
+):
     """A rejection-sampling row keeps its draft whole (its residual needs q), masked all the same."""
     engine = make_tiny_engine(target_hf, tiny_tokenizer, proposers={"draft": {}}, max_seq_len=192,
                               sampling="rejection")  # fmt: skip
@@ -155,7 +161,9 @@ def test_masked_positions_follow_the_draft(engine, tiny_tokenizer) -> None:
     """constrain masks position j after the draft's first j tokens, the others untouched."""
     ids = tiny_tokenizer('{"a": [1, 2]}', add_special_tokens=False)["input_ids"]
     compiler: GrammarCompiler = engine.grammars
-    row = SimpleNamespace(grammar=compiler.compile(StructuredOutput.json_object()), output_ids=[], generator=None)
+    row = SimpleNamespace(
+        grammar=compiler.compile(StructuredOutput.json_object()), output_ids=[], generator=None
+    )
     vocab = engine.model.cfg.vocab_size
     logits = torch.randn(1, 5, vocab)
     out = constrain(logits, [row], [ids[:3]])
