@@ -146,8 +146,10 @@ class EngineDeployment:
     async def health(self) -> bool:
         return await self.engine.health()
 
-    async def tokenize(self, prompt: str | None = None, messages: list | None = None) -> TokenizeResult:
-        return await self.engine.tokenize(prompt, messages)
+    async def tokenize(
+        self, prompt: str | None = None, messages: list | None = None, tools: list | None = None
+    ) -> TokenizeResult:
+        return await self.engine.tokenize(prompt, messages, tools=tools)
 
     async def detokenize(self, token_ids: list[int]) -> TokenizeResult:
         return await self.engine.detokenize(token_ids)

@@ -175,13 +175,14 @@ class AsyncEngine:
             exact=self.engine.exact,
             sampling=config.sampling,
             default_max_tokens=self.default_max_tokens,
+            template_tools=tokenizing.template_renders_tools(self.engine.tokenizer),
         )
 
     async def health(self) -> bool:
         return self.is_healthy()
 
-    async def tokenize(self, prompt: str | None = None, messages: list | None = None) -> TokenizeResult:
-        return await asyncio.to_thread(tokenizing.tokenize, self.engine, prompt, messages)
+    async def tokenize(self, *args: Any, **kwargs: Any) -> TokenizeResult:  # prompt, messages, tools
+        return await asyncio.to_thread(tokenizing.tokenize, self.engine, *args, **kwargs)
 
     async def detokenize(self, token_ids: list[int]) -> TokenizeResult:
         return await asyncio.to_thread(tokenizing.detokenize, self.engine, token_ids)
@@ -316,7 +317,7 @@ class AsyncEngine:
 
     def _tokenize(self, request: GenerateRequest) -> list[int]:
         if request.messages is not None:
-            return self.engine.encode_messages(request.messages)
+            return self.engine.encode_messages(request.messages, tools=request.tools)
         if request.prompt is None:
             raise ValueError("the request has neither a prompt nor messages")
         return self.engine.encode_prompt(request.prompt)

@@ -89,9 +89,11 @@ class RayEngineClient:
     async def info(self) -> EngineInfo:
         return await self._handle.info.remote()
 
-    async def tokenize(self, prompt: str | None = None, messages: list | None = None) -> TokenizeResult:
+    async def tokenize(
+        self, prompt: str | None = None, messages: list | None = None, tools: list | None = None
+    ) -> TokenizeResult:
         try:
-            return await self._handle.tokenize.remote(prompt, messages)
+            return await self._handle.tokenize.remote(prompt, messages, tools)
         except Exception as exc:
             return TokenizeResult(error=_handle_error(exc, self._on_refused))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Section(BaseModel):
@@ -33,6 +33,20 @@ class ServerSettings(_Section):
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request still running after this is aborted."
     )
+    tool_call_parser: str = Field(
+        "hermes",
+        description="How the model writes tool calls, read back into OpenAI's tool_calls (and written into "
+        "the prompt when the chat template does not render tools): one of serve_app.api.tool_calls."
+        'TOOL_FORMATS; hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5, Hermes).',
+    )
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_format(cls, v: str) -> str:
+        from serve_app.api.tool_calls import tool_format  # the registry names the choices
+
+        tool_format(v)  # unknown: a ValueError naming the known ones
+        return v
 
 
 class AutoscalingSettings(_Section):

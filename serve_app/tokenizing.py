@@ -21,15 +21,22 @@ NOT_READY = GenerateError("The engine is not ready; retry shortly.", "server_err
 
 
 def tokenize(
-    engine: SpecEngine | None, prompt: str | None = None, messages: Sequence[dict[str, Any]] | None = None
+    engine: SpecEngine | None,
+    prompt: str | None = None,
+    messages: Sequence[dict[str, Any]] | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> TokenizeResult:
-    """Token ids of a completion prompt or of chat messages (exactly one of them)."""
+    """Token ids of a completion prompt or of chat messages (exactly one of them; ``tools`` go to
+    the chat template with the messages)."""
     if engine is None:
         return TokenizeResult(error=NOT_READY)
     if (prompt is None) == (messages is None):
         return TokenizeResult(error=GenerateError("give either a prompt or messages", param="prompt"))
     try:
-        ids = engine.encode_messages(messages) if messages is not None else engine.encode_prompt(prompt or "")
+        if messages is not None:
+            ids = engine.encode_messages(messages, tools=tools)
+        else:
+            ids = engine.encode_prompt(prompt or "")
     except Exception as exc:  # a template that fails on these messages, a tokenizer error
         return TokenizeResult(error=GenerateError(f"could not tokenize: {exc}"))
     return TokenizeResult(token_ids=ids)
@@ -43,3 +50,18 @@ def detokenize(engine: SpecEngine | None, token_ids: Sequence[int]) -> TokenizeR
     if any(t < 0 or t >= vocab for t in token_ids):
         return TokenizeResult(error=GenerateError(f"token ids must be in [0, {vocab})", param="tokens"))
     return TokenizeResult(token_ids=list(token_ids), text=engine.tokenizer.decode(list(token_ids)))
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template reads a ``tools`` variable (Qwen2.5's does, SmolLM2's
+    does not); the ingress writes the tools into the messages for one that does not."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):  # none, or several named ones (the default is not "tools")
+        return False
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateSyntaxError:
+        return False

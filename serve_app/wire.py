@@ -24,6 +24,7 @@ class GenerateRequest:
     sampling: SamplingParams
     prompt: str | list[int] | None = None  # /v1/completions: text or token ids
     messages: list[dict[str, Any]] | None = None  # /v1/chat/completions: through the chat template
+    tools: list[dict[str, Any]] | None = None  # given to the chat template as ``tools`` (api.tool_prompt)
     speculation: SpecOverride = field(default_factory=SpecOverride)
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C trace context carrier
     # The request named no max_tokens: ``sampling.max_tokens`` is an upper bound that the replica
@@ -73,6 +74,8 @@ class EngineInfo:
     exact: bool = False
     sampling: str = "coupled"  # how sampled tokens are drawn and verified (EngineConfig.sampling)
     default_max_tokens: int | None = None  # a request without max_tokens: at most this (None: the context)
+    # The chat template renders a ``tools`` list; else the ingress writes the tools into the messages.
+    template_tools: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,9 +100,12 @@ class EngineClient(Protocol):
         """True while the engine loop is alive (not stuck)."""
 
     async def tokenize(
-        self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TokenizeResult:
-        """Token ids of a prompt or of chat messages, as a request would have them."""
+        """Token ids of a prompt or of chat messages (and the tools offered), as a request would have them."""
 
     async def detokenize(self, token_ids: list[int]) -> TokenizeResult:
         """The text of token ids."""

@@ -7,15 +7,19 @@ that client extras (LangChain, LiteLLM, ``chat_template_kwargs``) do not break r
 ``server.strict_requests`` it is a 400 ("Unrecognized request argument supplied: ...", OpenAI's
 answer; ``routes`` decides). Unknown keys inside our ``speculation`` block are always a 400.
 Accepted and ignored by name: `user`, `metadata`, `store`,
-`service_tier`, `parallel_tool_calls`, `stream_options.include_obfuscation`. OpenAI fields
+`service_tier`, `stream_options.include_obfuscation`. OpenAI fields
 not implemented here are accepted at their neutral value and otherwise refused with a 400 naming the
-field: `n` != 1, non-zero penalties, `logit_bias`, tools, a non-text `response_format`, `suffix`,
-`best_of` != 1. Logprobs (``logprobs_format``): chat `logprobs` + `top_logprobs` (0..20, needs
+field: `n` != 1, non-zero penalties, `logit_bias`, legacy `functions` / `function_call`, a non-text
+`response_format`, `suffix`, `best_of` != 1. Tools (``tool_protocol``, ``tool_prompt``,
+``tool_calls``): `tools`, `tool_choice` none / auto (required and named: a 400 until the engine has
+a grammar), `parallel_tool_calls`, assistant `tool_calls` and `tool` messages in the history.
+Logprobs (``logprobs_format``): chat `logprobs` + `top_logprobs` (0..20, needs
 `logprobs: true`), completions `logprobs` (0..20: vLLM's bound, above OpenAI's 5) and `echo` (the
 prompt first, with its logprobs when `logprobs` is set). Extensions: `top_k` (0 or -1 = off), `ignore_eos`,
 `stop_token_ids`, `speculation: {"mode": "auto"|"off"|<proposer>, "max_depth": n >= 0}` (no other
 keys). `model` is required, as in OpenAI's API. Chat messages: roles system, developer (given to the
-template as system), user, assistant; content a string or text parts (joined with newlines); keys a
+template as system), user, assistant, tool; content a string or text parts (joined with newlines),
+null for an assistant message with tool_calls; keys a
 client echoes back from a previous response (`refusal`, `annotations`, ...) are ignored.
 """
 
@@ -24,10 +28,12 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from serve_app.api.errors import APIError
 from serve_app.api.logprobs_format import ChatLogprobs, CompletionLogprobs
+from serve_app.api.tool_prompt import check_message, tool_fields
+from serve_app.api.tool_protocol import ChatTool, ToolCall, ToolCallDelta, ToolChoice
 from serve_app.engine.params import MAX_STOP_STRINGS, SamplingParams, SpecOverride
 from serve_app.engine.token_logprobs import MAX_LOGPROBS
 from serve_app.wire import EngineInfo, GenerateRequest
@@ -45,9 +51,7 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "frequency_penalty": (lambda v: not v, "only 0 is supported (penalties are not implemented)"),
     "logit_bias": (lambda v: not v, "logit_bias is not supported"),
     "suffix": (lambda v: not v, "suffix is not supported"),
-    "tools": (lambda v: not v, "tools are not supported"),
     "functions": (lambda v: not v, "functions are not supported"),
-    "tool_choice": (lambda v: v in (None, "none"), "tools are not supported"),
     "function_call": (lambda v: v in (None, "none"), "functions are not supported"),
     "response_format": (lambda v: v in (None, {"type": "text"}), "only response_format text is supported"),
 }
@@ -148,18 +152,24 @@ class CompletionRequest(_Request):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None  # null: an assistant message that only calls tools
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
     function_call: Any = None
 
-    @field_validator("tool_calls", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tools(cls, v: Any) -> Any:
+    def _no_functions(cls, v: Any) -> Any:
         if v:
-            raise ValueError("tool calls are not supported")
+            raise ValueError("function_call is not supported (use tool_calls)")
         return v
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        check_message(self)
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -184,11 +194,11 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # ignored: there are no tools
+    parallel_tool_calls: bool | None = None  # false: at most one call is returned
     response_format: dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
@@ -269,6 +279,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return [
         {"role": "system" if m.role == "developer" else m.role, "content": m.content}
         | ({"name": m.name} if m.name else {})
+        | tool_fields(m)
         for m in messages
     ]
 
@@ -320,7 +331,8 @@ class Completion(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = _omit_none()
 
 
 class ChatChoice(BaseModel):
@@ -343,6 +355,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = _omit_none()
     content: str | None = _omit_none()
+    tool_calls: list[ToolCallDelta] | None = _omit_none()
 
 
 class ChatChunkChoice(BaseModel):

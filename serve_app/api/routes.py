@@ -29,6 +29,8 @@ from serve_app.api import protocol as p
 from serve_app.api.errors import APIError, ApiKeyMiddleware, install_error_handlers
 from serve_app.api.outcome import Outcome, echo_text
 from serve_app.api.tokenizer_routes import add_tokenizer_routes
+from serve_app.api.tool_calls import tool_format
+from serve_app.api.tool_prompt import prepare_tools
 from serve_app.config import ServerSettings
 from serve_app.observability import tracing as otel
 from serve_app.wire import EngineClient, EngineInfo, GenerateChunk, GenerateError, GenerateRequest
@@ -161,6 +163,7 @@ class _Ingress:
         self.started = int(time.time())
         self._info: EngineInfo | None = None
         self._ignored_fields: set[str] = set()  # unknown request fields already logged once
+        self.tool_format = tool_format(settings.tool_call_parser)
 
     async def info(self) -> EngineInfo:
         """The engine's model and limits, asked once (they don't change while it runs)."""
@@ -218,7 +221,8 @@ class _Ingress:
             rid = p.new_request_id(chat)
             limit = min(info.max_tokens_limit, self.settings.max_tokens_limit or info.max_tokens_limit)
             greq = span.start(p.to_generate_request(body, info, request_id=rid, max_tokens_limit=limit), info)
-            out = Outcome(chat, None if chat else await echo_text(self.client, body))
+            greq, tool_calls = prepare_tools(body, greq, info, self.tool_format)
+            out = Outcome(chat, None if chat else await echo_text(self.client, body), tool_calls)
             if body.stream:
                 return await self._stream(greq, body, span, request, out)
             return await self._complete(greq, body, span, request, out)
@@ -281,11 +285,12 @@ class _Ingress:
             reason: str | None = None,
             first: bool = False,
             logprobs: Any = None,
+            tool_calls: Any = None,
             **extra: Any,
         ) -> str:
             choice: BaseModel
             if chat:
-                delta = p.ChatDelta(role="assistant" if first else None, content=text)
+                delta = p.ChatDelta(role="assistant" if first else None, content=text, tool_calls=tool_calls)
                 choice = p.ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=reason)
             else:
                 choice = p.CompletionChoice(text=text or "", logprobs=logprobs, finish_reason=reason)
@@ -300,9 +305,9 @@ class _Ingress:
                 while chunk.error is None:
                     span.saw(chunk)  # a no-op after the first chunk, which carries the first token
                     out.add(chunk)
-                    text, logprobs = out.streamed(chunk)  # the echoed prompt leads the first
-                    if text or logprobs is not None:  # tokens whose text is held back still show
-                        yield event(text, logprobs=logprobs)
+                    # the echoed prompt leads the first; tokens whose text is held back still show
+                    for text, logprobs, calls in out.stream_events(chunk):
+                        yield event(text, logprobs=logprobs, tool_calls=calls)
                     if chunk.finished:
                         yield event(None, out.finish_reason, speculation=out.speculation)
                         if usage:

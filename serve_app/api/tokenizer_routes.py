@@ -3,7 +3,8 @@
 The replica holds the tokenizer, so both calls go through the engine client
 (``serve_app.tokenizing``). ``/tokenize`` takes a completion ``prompt`` or chat ``messages`` and
 counts exactly what a request with them would (``usage.prompt_tokens``); ``/detokenize`` takes
-``tokens``. ``model`` is optional; when given it must be the served one.
+``tokens``. ``model`` is optional; when given it must be the served one. ``tools`` go with
+``messages`` as a chat request's would (``tool_prompt``), counted in the prompt.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.api import protocol as p
 from serve_app.api.errors import APIError
+from serve_app.api.tool_prompt import template_inputs
+from serve_app.api.tool_protocol import ChatTool
 from serve_app.wire import EngineClient, TokenizeResult
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -26,6 +29,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[p.ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ChatTool] | None = None  # with messages: as a chat request offering them
 
 
 class TokenizeResponse(BaseModel):
@@ -75,8 +79,12 @@ def add_tokenizer_routes(app: FastAPI, client: EngineClient, ingress: Any) -> No
         info = await checked_info(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give either a prompt or messages.", param="prompt")
-        messages = p.template_messages(body.messages) if body.messages is not None else None
-        result = _checked(await client.tokenize(body.prompt, messages))
+        messages, tools = None, None
+        if body.messages is not None:
+            offered = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+            chat = p.template_messages(body.messages)
+            messages, tools = template_inputs(chat, offered, info.template_tools, ingress.tool_format)
+        result = _checked(await client.tokenize(body.prompt, messages, tools=tools))
         return TokenizeResponse(
             count=len(result.token_ids), max_model_len=info.max_seq_len, tokens=result.token_ids
         )

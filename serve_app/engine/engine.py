@@ -164,10 +164,13 @@ class SpecEngine:
             return self.encode_messages(messages)
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
-    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
+    def encode_messages(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """Token ids of chat messages through the chat template (given ``tools``, OpenAI's shape)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; send a raw prompt instead")
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
+        )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def add_request(

@@ -94,7 +94,9 @@ class FakeEngine:
             raise self.healthy
         return self.healthy
 
-    async def tokenize(self, prompt: str | None = None, messages: list | None = None) -> TokenizeResult:
+    async def tokenize(
+        self, prompt: str | None = None, messages: list | None = None, tools: list | None = None
+    ) -> TokenizeResult:
         """One token per character; messages as ``role: content`` lines."""
         self.tokenized.append((prompt, messages))
         text = prompt if prompt is not None else "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -274,7 +276,9 @@ BAD_REQUESTS = [
     ("chat", {"stream": "yes"}, 400, "stream", "valid boolean"),
     ("chat", {"messages": "hi"}, 400, "messages", "valid list"),
     ("chat", {"messages": []}, 400, "messages", "at least 1"),
-    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "input should be"),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "input should be"),
+    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]", "needs the tool_call_id"),
+    ("chat", {"messages": [{"role": "user"}]}, 400, "messages[0]", "content is required"),
     ("chat", {"messages": IMAGE}, 400, "messages[0].content", "'image_url' are not supported (text only)"),
     ("chat", {"model": 5}, 400, "model", "valid string"),
     ("chat", {"n": 2}, 400, "n", "only n=1"),
@@ -283,7 +287,8 @@ BAD_REQUESTS = [
     ("chat", {"top_logprobs": 2}, 400, "top_logprobs", "needs logprobs set to true"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "less than or equal to 20"),
     ("chat", {"logprobs": 1}, 400, "logprobs", "valid boolean"),
-    ("chat", {"tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ("chat", {"tools": [{"type": "function"}]}, 400, "tools[0].function", "Field required"),
+    ("chat", {"tool_choice": "auto"}, 400, "tool_choice", "only allowed when tools are specified"),
     ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed when stream"),
     ("chat", {"max_tokens": 101}, 400, "max_tokens", "max_tokens is too large"),
     ("chat", {"max_completion_tokens": 500}, 400, "max_completion_tokens", "too large"),

@@ -1,0 +1,251 @@
+"""Tools through the HTTP layer: the official ``openai`` client against a real local server over
+the fake engine of ``test_api`` (scripted ``<tool_call>`` output), streamed and not, then a round
+trip: the assistant's calls and the tool's answer sent back, and the prompt the chat template makes
+of them on a real (tiny) engine, with a template that renders tools (Qwen2.5's own) and one that
+does not (the ingress writes the tools into the messages)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from serve_app.api import create_app
+from serve_app.api.tool_calls import HERMES
+from serve_app.async_engine import AsyncEngine
+from serve_app.config import ServerSettings
+from serve_app.tokenizing import template_renders_tools
+from serve_app.wire import EngineInfo
+from tests.conftest import make_tiny_engine, make_tiny_hf_model, make_tiny_tokenizer, pack_path
+from tests.serve.test_api import MODEL, FakeEngine, script
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+TOOLS = [WEATHER_TOOL, TIME_TOOL]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def calling_script() -> list:
+    """Prose, then a call cut over three chunks, then a second call; the model's EOS ends it."""
+    return script(
+        "Let me check.\n", CALL[:20], CALL[20:] + "\n<tool_", 'call>{"name": "get_time"}</tool_call>'
+    )
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[FakeEngine, openai.OpenAI]]:
+    engine = FakeEngine()
+    engine.info_ = EngineInfo(MODEL, 512, 100, ["draft"], "draft", template_tools=True)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(
+        uvicorn.Config(create_app(engine, ServerSettings()), log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.started
+    yield (
+        engine,
+        openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0),
+    )
+    srv.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+def test_tool_calls_in_the_message(server: tuple[FakeEngine, openai.OpenAI]) -> None:
+    engine, client = server
+    engine.chunks = calling_script()
+    response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    weather, clock = choice.message.tool_calls
+    assert (weather.type, weather.function.name, json.loads(weather.function.arguments)) == (
+        "function",
+        "get_weather",
+        {"city": "Paris"},
+    )
+    assert (clock.function.name, clock.function.arguments) == ("get_time", "{}")
+    assert weather.id.startswith("call_") and weather.id != clock.id
+    request = engine.requests[-1]
+    assert request.tools == TOOLS and request.messages == ASK  # the template gets them as sent
+
+    response = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, parallel_tool_calls=False
+    )
+    assert [c.function.name for c in response.choices[0].message.tool_calls] == ["get_weather"]
+
+
+def test_tool_calls_streamed_as_deltas(server: tuple[FakeEngine, openai.OpenAI]) -> None:
+    engine, client = server
+    engine.chunks = calling_script()
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert content == "Let me check."
+    # as OpenAI streams them: per call id, type and name first, then the arguments
+    assert [(d.index, d.id is not None, d.type, d.function.name) for d in deltas] == [
+        (0, True, "function", "get_weather"),
+        (0, False, None, None),
+        (1, True, "function", "get_time"),
+        (1, False, None, None),
+    ]
+    assert [d.function.arguments for d in deltas] == ["", '{"city": "Paris"}', "", "{}"]
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
+    # the prose streamed before the first call's text was complete
+    first_call = next(i for i, c in enumerate(chunks) if c.choices[0].delta.tool_calls)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:first_call]) == "Let me check."
+
+
+def test_no_call_and_tool_choice_none_leave_the_text_alone(server: tuple[FakeEngine, openai.OpenAI]) -> None:
+    engine, client = server
+    engine.chunks = script("It is ", "sunny.")
+    response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto")
+    assert (
+        response.choices[0].message.content == "It is sunny."
+        and response.choices[0].message.tool_calls is None
+    )
+    assert response.choices[0].finish_reason == "stop"
+    engine.chunks = script(CALL)
+    response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none")
+    assert response.choices[0].message.content == CALL and response.choices[0].finish_reason == "stop"
+    assert engine.requests[-1].tools is None  # not offered to the template
+
+
+@pytest.mark.parametrize(
+    ("change", "text"),
+    [
+        ({"tool_choice": "required"}, "grammar"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "grammar"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not one of the tools"),
+        ({"tools": None, "tool_choice": "auto"}, "only allowed when tools are specified"),
+    ],
+)
+def test_tool_choice_refusals(server: tuple[FakeEngine, openai.OpenAI], change: dict, text: str) -> None:
+    _, client = server
+    params = {"model": MODEL, "messages": ASK, "tools": TOOLS, **change}
+    with pytest.raises(openai.BadRequestError, match=text) as info:
+        client.chat.completions.create(**{k: v for k, v in params.items() if v is not None})
+    assert info.value.body["param"] == "tool_choice"
+
+
+def test_round_trip_sends_the_calls_and_the_answer_back(server: tuple[FakeEngine, openai.OpenAI]) -> None:
+    engine, client = server
+    engine.chunks = script(CALL)
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS).choices[0].message
+    assert first.content is None  # calls and nothing else
+    call = first.tool_calls[0]
+    answer = {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}
+    history = [*ASK, first.model_dump(exclude_none=True), answer]
+    engine.chunks = script("It is 21 °C in Paris.")
+    final = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS).choices[0]
+    assert final.message.content == "It is 21 °C in Paris." and final.finish_reason == "stop"
+    sent = engine.requests[-1].messages
+    assert sent[1] == {  # arguments as an object: the template writes them with tojson
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    }
+    assert sent[2] == answer
+
+
+# --- the prompt a real chat template makes of them --------------------------------------------------------
+
+HISTORY = [
+    {"role": "system", "content": "You are terse."},
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[AsyncEngine]:
+    """A tiny engine with a tokenizer of its own (the tests change its chat template)."""
+    tokenizer = make_tiny_tokenizer()
+    engine = make_tiny_engine(make_tiny_hf_model(len(tokenizer)), tokenizer, max_seq_len=1024)
+    async_engine = AsyncEngine(engine, model_name="tiny")
+    yield async_engine
+    async_engine.shutdown()
+
+
+def templated(engine: AsyncEngine, template: str, messages: list[dict], tools: list[dict] | None) -> str:
+    """The prompt text the replica makes of a chat (through /tokenize, then /detokenize)."""
+    engine.engine.tokenizer.chat_template = template
+    http = TestClient(create_app(engine, ServerSettings()))  # a new app asks the engine's info anew
+    body = {"messages": messages, **({"tools": tools} if tools else {})}
+    tokens = http.post("/tokenize", json=body).json()["tokens"]
+    return http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+
+def test_a_template_that_renders_tools_gets_them(tiny: AsyncEngine) -> None:
+    template = (pack_path("qwen2.5-coder-0.5b-instruct") / "chat_template.jinja").read_text()
+    assert template_renders_tools(type("T", (), {"chat_template": template})())
+    prompt = templated(tiny, template, HISTORY, TOOLS)
+    assert prompt.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
+    assert json.dumps(WEATHER_TOOL) in prompt  # the template lists the tools as JSON
+    assert (
+        (
+            "<|im_start|>assistant\n"
+            + CALL  # the earlier call as the model writes it: arguments an object, not quoted text
+            + '<|im_end|>\n<|im_start|>user\n<tool_response>\n{"temp_c": 21}\n</tool_response><|im_end|>\n'
+            "<|im_start|>assistant\n"
+        )
+        in prompt
+    )
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_without_tools_gets_them_written_into_the_messages(
+    tiny: AsyncEngine, tiny_tokenizer: Any
+) -> None:
+    template = tiny_tokenizer.chat_template  # "role: content" lines, no notion of tools (as SmolLM2's)
+    assert not template_renders_tools(tiny_tokenizer)
+    prompt = templated(tiny, template, HISTORY, TOOLS)
+    system, rest = prompt.split("\nuser: ", 1)
+    assert system == "system: You are terse.\n\n" + HERMES.describe(TOOLS)
+    assert json.dumps(TIME_TOOL) in system
+    assert rest == (
+        "What is the weather in Paris?\n"
+        f"assistant: {CALL}\n"
+        'user: <tool_response>\n{"temp_c": 21}\n</tool_response>\n'
+        "assistant: "
+    )
+    no_tools = templated(tiny, template, HISTORY[:2], None)
+    assert no_tools == "system: You are terse.\nuser: What is the weather in Paris?\nassistant: "
