@@ -9,8 +9,9 @@ answer; ``routes`` decides). Unknown keys inside our ``speculation`` block are a
 Accepted and ignored by name: `user`, `metadata`, `store`,
 `service_tier`, `stream_options.include_obfuscation`. OpenAI fields
 not implemented here are accepted at their neutral value and otherwise refused with a 400 naming the
-field: `n` != 1, non-zero penalties, `logit_bias`, legacy `functions` / `function_call`, a non-text
-`response_format`, `suffix`, `best_of` != 1. Tools (``tool_protocol``, ``tool_prompt``,
+field: `n` != 1, non-zero penalties, `logit_bias`, legacy `functions` / `function_call`, `suffix`,
+`best_of` != 1. Structured output (``response_format``): `response_format` text / json_object /
+json_schema, on both endpoints. Tools (``tool_protocol``, ``tool_prompt``,
 ``tool_calls``): `tools`, `tool_choice` none / auto (required and named: a 400 until the engine has
 a grammar), `parallel_tool_calls`, assistant `tool_calls` and `tool` messages in the history.
 Logprobs (``logprobs_format``): chat `logprobs` + `top_logprobs` (0..20, needs
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from serve_app.api.errors import APIError
 from serve_app.api.logprobs_format import ChatLogprobs, CompletionLogprobs
+from serve_app.api.response_format import ResponseFormat, structured_output
 from serve_app.api.tool_prompt import check_message, tool_fields
 from serve_app.api.tool_protocol import ChatTool, ToolCall, ToolCallDelta, ToolChoice
 from serve_app.engine.params import MAX_STOP_STRINGS, SamplingParams, SpecOverride
@@ -53,7 +55,6 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: not v, "suffix is not supported"),
     "functions": (lambda v: not v, "functions are not supported"),
     "function_call": (lambda v: v in (None, "none"), "functions are not supported"),
-    "response_format": (lambda v: v in (None, {"type": "text"}), "only response_format text is supported"),
 }
 
 
@@ -95,6 +96,7 @@ class _Request(BaseModel):
     ignore_eos: bool = False  # extension: keep generating past the end-of-text token
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
     speculation: SpeculationOptions | None = None
+    response_format: ResponseFormat | None = None  # structured output (api.response_format)
 
     @field_validator(*_NEUTRAL, check_fields=False)
     @classmethod
@@ -199,7 +201,6 @@ class ChatCompletionRequest(_Request):
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None  # false: at most one call is returned
-    response_format: dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -248,6 +249,7 @@ def to_generate_request(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             **_logprobs(req),
+            structured=structured_output(req.response_format),  # a 400 for a bad schema
         )
     except ValueError as e:  # SamplingParams names the field first
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
