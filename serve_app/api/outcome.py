@@ -5,7 +5,7 @@ totals in chunks: the last wins), finish reason, the speculation block, and the 
 request asked. ``choice`` gives the whole result (non-streamed); ``streamed`` what one chunk adds to
 a stream (the echoed prompt goes with the first), ``stream_events`` the same as the stream's events.
 Logprobs take the endpoint's shape (``logprobs_format``). A chat that offered tools reads its text
-through a ``ToolCallStream`` (``tool_calls``): content and ``tool_calls``, finish reason
+through a ``CallParser`` (``tool_calls``, ``forced_tool_calls``): content and ``tool_calls``, finish reason
 ``tool_calls`` when the model called.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from serve_app.api import protocol as p
 from serve_app.api.errors import APIError
 from serve_app.api.logprobs_format import CompletionLogprobsWriter, chat_logprobs
-from serve_app.api.tool_calls import StreamEvent, ToolCallStream
+from serve_app.api.tool_calls import CallParser, StreamEvent
 from serve_app.api.tool_protocol import ToolCallDelta
 from serve_app.engine.token_logprobs import LogprobRun
 from serve_app.wire import EngineClient, GenerateChunk
@@ -44,7 +44,7 @@ class Outcome:
         self,
         chat: bool = False,
         echo: str | None = None,
-        tool_calls: Callable[[], ToolCallStream] | None = None,
+        tool_calls: Callable[[], CallParser] | None = None,
     ) -> None:
         self.chat, self.echo = chat, echo
         self.text: list[str] = []

@@ -29,7 +29,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from serve_app.api.tool_protocol import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 
@@ -65,6 +65,21 @@ class ParsedOutput:
 
     content: str | None
     calls: list[ParsedCall]
+
+
+class CallParser(Protocol):
+    """What reads a chat's output for calls: ``ToolCallStream``, or one of ``forced_tool_calls``."""
+
+    calls: list[ParsedCall]  # the calls read so far
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        """What the output's next piece lets a stream show now."""
+
+    def finish(self) -> list[StreamEvent]:
+        """What is left to show once the output ended."""
+
+    def result(self) -> ParsedOutput:
+        """The whole output's content and calls."""
 
 
 @dataclass(frozen=True)

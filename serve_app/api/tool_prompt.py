@@ -14,8 +14,8 @@ The prompt is built by the model's own chat template on the replica, which is gi
 
 ``tool_choice``: ``auto`` (the default with tools) offers them and parses what comes; ``none``
 offers none (the history is still rendered) and parses nothing, so the answer is plain text.
-``required`` and a named function must force the output into a call, which takes a grammar over
-the target's tokens; until the engine has one they are refused with a 400 saying so.
+``required`` and a named function offer them all and force the output into calls through the
+engine's grammar (``forced_tool_calls``); they cannot be combined with a ``response_format``.
 """
 
 from __future__ import annotations
@@ -27,15 +27,12 @@ import json
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from serve_app.api import forced_tool_calls as forced
 from serve_app.api.errors import APIError
-from serve_app.api.tool_calls import ToolCallStream, ToolFormat
+from serve_app.api.tool_calls import CallParser, ToolFormat
 from serve_app.api.tool_protocol import ChatTool, NamedToolChoice, ToolCall
+from serve_app.engine.structured import StructuredOutput
 from serve_app.wire import EngineInfo, GenerateRequest
-
-NEEDS_GRAMMAR = (
-    "tool_choice {choice} needs the output constrained to a tool call by a grammar, which this server "
-    "does not support yet; use 'auto' (the model decides whether to call) or 'none'"
-)
 
 
 class _Message(Protocol):  # protocol.ChatMessage, as far as tools go
@@ -73,9 +70,10 @@ def tool_fields(m: _Message) -> dict[str, Any]:
 
 def prepare_tools(
     body: object, greq: GenerateRequest, info: EngineInfo, fmt: ToolFormat
-) -> tuple[GenerateRequest, Callable[[], ToolCallStream] | None]:
-    """``greq`` with the tools and history as the template takes them, and the parser of its output
-    (None: the output is plain text). A request that is not a chat passes through."""
+) -> tuple[GenerateRequest, Callable[[], CallParser] | None]:
+    """``greq`` with the tools and history as the template takes them (and the grammar a forced
+    choice needs), and the parser of its output (None: the output is plain text). A request that is
+    not a chat passes through."""
     if greq.messages is None or not hasattr(body, "tool_choice"):
         return greq, None
     req: _ChatRequest = body  # type: ignore[assignment]
@@ -84,8 +82,27 @@ def prepare_tools(
     greq = dataclasses.replace(greq, messages=messages, tools=tools)
     if not offered:
         return greq, None
-    max_calls = 1 if req.parallel_tool_calls is False else None
-    return greq, functools.partial(fmt.stream, max_calls)
+    parallel, choice = req.parallel_tool_calls is not False, req.tool_choice
+    if choice is None or choice == "auto":
+        return greq, functools.partial(fmt.stream, None if parallel else 1)
+    output: StructuredOutput
+    if isinstance(choice, NamedToolChoice):
+        tool = next(t for t in offered if t["function"]["name"] == choice.function.name)
+        output, parser = (
+            forced.named_output(tool),
+            functools.partial(forced.NamedCallStream, choice.function.name),
+        )
+    else:
+        output, parser = forced.required_output(offered, parallel), forced.RequiredCallsStream
+    if greq.sampling.structured is not None:
+        why = "response_format cannot be combined with tool_choice 'required' or a named function"
+        raise APIError(400, why, param="response_format")
+    try:
+        output.check()
+    except ValueError as e:
+        why = f"a tool's parameters are not a JSON schema the server supports: {e}"
+        raise APIError(400, why, param="tools") from None
+    return dataclasses.replace(greq, sampling=dataclasses.replace(greq.sampling, structured=output)), parser
 
 
 def _offered(req: _ChatRequest) -> list[dict[str, Any]] | None:
@@ -93,14 +110,10 @@ def _offered(req: _ChatRequest) -> list[dict[str, Any]] | None:
     choice = req.tool_choice
     if choice is not None and choice != "none" and not req.tools:
         raise APIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
-    if isinstance(choice, NamedToolChoice):
-        names = [t.function.name for t in req.tools or ()]
-        if choice.function.name not in names:
-            why = f"tool_choice names {choice.function.name!r}, which is not one of the tools"
-            raise APIError(400, why, param="tool_choice")
-        raise APIError(400, NEEDS_GRAMMAR.format(choice="naming a function"), param="tool_choice")
-    if choice == "required":
-        raise APIError(400, NEEDS_GRAMMAR.format(choice="'required'"), param="tool_choice")
+    names = [t.function.name for t in req.tools or ()]
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        why = f"tool_choice names {choice.function.name!r}, which is not one of the tools"
+        raise APIError(400, why, param="tool_choice")
     if not req.tools or choice == "none":
         return None
     return [t.model_dump(exclude_none=True) for t in req.tools]

@@ -22,6 +22,7 @@ from serve_app.api import create_app
 from serve_app.api.tool_calls import HERMES
 from serve_app.async_engine import AsyncEngine
 from serve_app.config import ServerSettings
+from serve_app.engine.structured import StructuredOutput
 from serve_app.tokenizing import template_renders_tools
 from serve_app.wire import EngineInfo
 from tests.conftest import make_tiny_engine, make_tiny_hf_model, make_tiny_tokenizer, pack_path
@@ -135,10 +136,9 @@ def test_no_call_and_tool_choice_none_leave_the_text_alone(server: tuple[FakeEng
 @pytest.mark.parametrize(
     ("change", "text"),
     [
-        ({"tool_choice": "required"}, "grammar"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "grammar"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not one of the tools"),
         ({"tools": None, "tool_choice": "auto"}, "only allowed when tools are specified"),
+        ({"tools": None, "tool_choice": "required"}, "only allowed when tools are specified"),
     ],
 )
 def test_tool_choice_refusals(server: tuple[FakeEngine, openai.OpenAI], change: dict, text: str) -> None:
@@ -147,6 +147,78 @@ def test_tool_choice_refusals(server: tuple[FakeEngine, openai.OpenAI], change: 
     with pytest.raises(openai.BadRequestError, match=text) as info:
         client.chat.completions.create(**{k: v for k, v in params.items() if v is not None})
     assert info.value.body["param"] == "tool_choice"
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_function_is_forced_by_the_grammar(server: tuple[FakeEngine, openai.OpenAI]) -> None:
+    engine, client = server
+    engine.chunks = script('{"city": ', '"Paris"}')
+    response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED)
+    # the output is the function's arguments, held to its parameters' schema
+    assert engine.requests[-1].sampling.structured == StructuredOutput.json_schema(
+        WEATHER_TOOL["function"]["parameters"]
+    )
+    assert engine.requests[-1].tools == TOOLS  # all offered, as vLLM does
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED, stream=True)
+    )
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "get_weather", ""),
+        (0, None, '{"city": '),  # the arguments stream as they come
+        (0, None, '"Paris"}'),
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_forces_a_list_of_calls(server: tuple[FakeEngine, openai.OpenAI]) -> None:
+    engine, client = server
+    engine.chunks = script(
+        '[{"name": "get_time", "arguments": {}}, ', '{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    )
+    response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
+    schema = engine.requests[-1].sampling.structured.schema
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [
+        ["get_weather"],
+        ["get_time"],
+    ]
+    assert schema["items"]["anyOf"][0]["properties"]["arguments"] == WEATHER_TOOL["function"]["parameters"]
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_time", "{}"),
+        ("get_weather", '{"city": "Paris"}'),
+    ]
+    engine.chunks = script('[{"name": "get_time", "arguments": {}}]')
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            stream=True,
+        )
+    )
+    assert engine.requests[-1].sampling.structured.schema["maxItems"] == 1
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_time", ""), (None, "{}")]
+    engine.chunks = script('[{"name": "get_time", ', reason="length")  # cut off: content, as written
+    choice = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required"
+    ).choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (
+        '[{"name": "get_time", ',
+        None,
+        "length",
+    )
 
 
 def test_round_trip_sends_the_calls_and_the_answer_back(server: tuple[FakeEngine, openai.OpenAI]) -> None:
@@ -249,3 +321,43 @@ def test_a_template_without_tools_gets_them_written_into_the_messages(
     )
     no_tools = templated(tiny, template, HISTORY[:2], None)
     assert no_tools == "system: You are terse.\nuser: What is the weather in Paris?\nassistant: "
+
+
+def test_forced_calls_on_a_real_engine_follow_the_schemas(tiny: AsyncEngine) -> None:
+    """The tiny random model writes what the grammar lets it: a named call's arguments are JSON of
+    its schema; ``required`` gives a call of an offered tool. (Bounded schemas: a random model
+    would write a free string until max_tokens.)"""
+    forecast = {
+        "type": "object",
+        "properties": {
+            "city": {"enum": ["Paris", "Rome"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    tools = [
+        {"type": "function", "function": {"name": "forecast", "parameters": forecast}},
+        {
+            "type": "function",
+            "function": {"name": "now", "parameters": {"type": "object", "additionalProperties": False}},
+        },
+    ]
+    http = TestClient(create_app(tiny, ServerSettings()))
+    base = {"model": "tiny", "messages": ASK, "tools": tools, "max_tokens": 64, "temperature": 1.0}
+    named = {"type": "function", "function": {"name": "forecast"}}
+    for seed in range(3):
+        body = {**base, "tool_choice": named, "seed": seed}
+        choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        arguments = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "forecast" and arguments["city"] in {"Paris", "Rome"}
+        assert 1 <= arguments["days"] <= 7
+        body = {**base, "tool_choice": "required", "parallel_tool_calls": False, "seed": seed}
+        choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] in {"forecast", "now"} and isinstance(
+            json.loads(call["function"]["arguments"]), dict
+        )
