@@ -12,8 +12,8 @@ not implemented here are accepted at their neutral value and otherwise refused w
 field: `n` != 1, non-zero penalties, `logit_bias`, legacy `functions` / `function_call`, `suffix`,
 `best_of` != 1. Structured output (``response_format``): `response_format` text / json_object /
 json_schema, on both endpoints. Tools (``tool_protocol``, ``tool_prompt``,
-``tool_calls``): `tools`, `tool_choice` none / auto (required and named: a 400 until the engine has
-a grammar), `parallel_tool_calls`, assistant `tool_calls` and `tool` messages in the history.
+``tool_calls``, ``forced_tool_calls``): `tools`, `tool_choice` none / auto / required / a named function
+(those two through the grammar), `parallel_tool_calls`, assistant `tool_calls` and `tool` messages.
 Logprobs (``logprobs_format``): chat `logprobs` + `top_logprobs` (0..20, needs
 `logprobs: true`), completions `logprobs` (0..20: vLLM's bound, above OpenAI's 5) and `echo` (the
 prompt first, with its logprobs when `logprobs` is set). Extensions: `top_k` (0 or -1 = off), `ignore_eos`,

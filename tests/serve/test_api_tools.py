@@ -361,3 +361,16 @@ def test_forced_calls_on_a_real_engine_follow_the_schemas(tiny: AsyncEngine) -> 
         assert call["function"]["name"] in {"forecast", "now"} and isinstance(
             json.loads(call["function"]["arguments"]), dict
         )
+
+
+def test_a_forced_choice_and_a_response_format_do_not_mix(server: tuple[FakeEngine, openai.OpenAI]) -> None:
+    _, client = server
+    with pytest.raises(openai.BadRequestError, match="cannot be combined") as info:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        )
+    assert info.value.body["param"] == "response_format"
