@@ -21,13 +21,17 @@ One parser serves both response modes, so a streamed answer adds up to the non-s
   vLLM returns it. A block still open when the output ends is a call if its JSON is complete (a
   model that stops right after the JSON), else content.
 - ``max_calls`` (``parallel_tool_calls: false``: 1) keeps the first calls; later ones are dropped.
+- Given the offered tools' ``names``, an output that is nothing but a call's JSON object (or a list
+  of them) naming one is a call too: Qwen2.5-Coder's small models write their calls without the
+  tags. Such an output (one that starts with ``{`` or ``[``) is held until it ends, then shown as
+  calls or as content.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -127,12 +131,12 @@ class ToolFormat:
             f"{self.end}"
         )
 
-    def stream(self, max_calls: int | None = None) -> ToolCallStream:
-        return ToolCallStream(self, max_calls)
+    def stream(self, max_calls: int | None = None, names: Collection[str] = ()) -> ToolCallStream:
+        return ToolCallStream(self, max_calls, names)
 
-    def parse(self, text: str, max_calls: int | None = None) -> ParsedOutput:
+    def parse(self, text: str, max_calls: int | None = None, names: Collection[str] = ()) -> ParsedOutput:
         """A whole output at once (exactly what its stream adds up to)."""
-        stream = self.stream(max_calls)
+        stream = self.stream(max_calls, names)
         stream.feed(text)
         stream.finish()
         return stream.result()
@@ -157,8 +161,10 @@ def tool_format(name: str) -> ToolFormat:
 class ToolCallStream:
     """An output read as it streams (see the module docstring for the rules)."""
 
-    def __init__(self, fmt: ToolFormat, max_calls: int | None = None) -> None:
-        self.fmt, self.max_calls = fmt, max_calls
+    def __init__(self, fmt: ToolFormat, max_calls: int | None = None, names: Collection[str] = ()) -> None:
+        self.fmt, self.max_calls, self.names = fmt, max_calls, frozenset(names)
+        self._bare: bool | None = None if self.names else False  # output that may be a bare call
+        self._bare_text = ""
         self.calls: list[ParsedCall] = []
         self._content: list[str] = []  # what was shown as content
         self._pending = ""  # text not yet classified: a possible start tag, or an open block's body
@@ -169,6 +175,14 @@ class ToolCallStream:
 
     def feed(self, text: str) -> list[StreamEvent]:
         """What ``text`` (the output's next piece) lets the stream show now."""
+        if self._bare is not False:  # undecided, or held until the end
+            self._bare_text += text
+            head = self._bare_text.lstrip()
+            if self._bare is None and head:
+                self._bare = head[0] in "{["
+            if self._bare is not False:
+                return []
+            text, self._bare_text = self._bare_text, ""
         self._pending += text
         while True:
             if self._in_block:
@@ -192,6 +206,16 @@ class ToolCallStream:
 
     def finish(self) -> list[StreamEvent]:
         """The output ended: what is still held back is shown."""
+        shown: list[StreamEvent] = []
+        if self._bare is not False:
+            text, self._bare_text, self._bare = self._bare_text, "", False
+            calls = self._bare_calls(text)
+            if calls is not None:
+                for call in calls[: self.max_calls]:
+                    self._events.extend(call.deltas(len(self.calls)))
+                    self.calls.append(call)
+                return self._take()
+            shown = self.feed(text)  # not a call: read as any other output
         if self._in_block:
             self._in_block = False
             self._close_block(self._pending, closed=False)
@@ -201,13 +225,26 @@ class ToolCallStream:
         if not self._ws_by_block:  # trailing whitespace away from blocks: output unchanged
             self._show(self._held_ws)
         self._held_ws = ""
-        return self._take()
+        return shown + self._take()
 
     def result(self) -> ParsedOutput:
         content = "".join(self._content)
         return ParsedOutput(None if self.calls and not content else content, list(self.calls))
 
     # --------------------------------------------------------------------------------- internals
+    def _bare_calls(self, text: str) -> list[ParsedCall] | None:
+        """The calls of an output that is nothing but a call's JSON object, or a list of them, each
+        naming an offered tool; None for any other output."""
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return None
+        items = obj if isinstance(obj, list) else [obj]
+        calls = [self.fmt.read_call(json.dumps(item)) for item in items if isinstance(item, dict)]
+        if not items or len(calls) != len(items) or any(c is None or c.name not in self.names for c in calls):
+            return None
+        return calls  # type: ignore[return-value]
+
     def _close_block(self, body: str, closed: bool) -> None:
         call = self.fmt.read_call(body.strip())
         if call is None:  # not a call: the block is text, tags included

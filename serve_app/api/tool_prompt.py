@@ -84,7 +84,8 @@ def prepare_tools(
         return greq, None
     parallel, choice = req.parallel_tool_calls is not False, req.tool_choice
     if choice is None or choice == "auto":
-        return greq, functools.partial(fmt.stream, None if parallel else 1)
+        names = [t["function"]["name"] for t in offered]
+        return greq, functools.partial(fmt.stream, None if parallel else 1, names)
     output: StructuredOutput
     if isinstance(choice, NamedToolChoice):
         tool = next(t for t in offered if t["function"]["name"] == choice.function.name)

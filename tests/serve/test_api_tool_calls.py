@@ -79,6 +79,28 @@ def test_lenient_forms() -> None:
     assert calls(HERMES.parse('<tool_call>{"name": "f"}</tool_call>')) == [("f", {})]
 
 
+NAMES = ("get_weather", "get_time")
+BARE = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+def test_a_bare_call_naming_an_offered_tool_is_a_call() -> None:
+    """Qwen2.5-Coder 0.5B answers a tool question with the call's JSON alone, no tags."""
+    out = HERMES.parse(BARE + "\n", names=NAMES)
+    assert out.content is None and calls(out) == [("get_weather", {"city": "Paris"})]
+    both = HERMES.parse(f'[{BARE}, {{"name": "get_time", "arguments": {{}}}}]', names=NAMES)
+    assert calls(both) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert calls(HERMES.parse(f"[{BARE}, {BARE}]", max_calls=1, names=NAMES)) == calls(out)
+    for text in [
+        BARE,  # no tools named: not a call
+        '{"name": "send_mail", "arguments": {}}',  # not an offered tool
+        '{"city": "Paris"}',  # JSON, but no call
+        BARE + " and more",  # more than the call
+        "[]",
+    ]:
+        names = () if text == BARE else NAMES
+        assert HERMES.parse(text, names=names) == ParsedOutput(text, [])
+
+
 def test_the_registry() -> None:
     assert tool_format("hermes") is HERMES and set(TOOL_FORMATS) == {"hermes"}
     with pytest.raises(ValueError, match="known: hermes"):
@@ -101,12 +123,16 @@ OUTPUTS = [
     "Sure.\n" + '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>' + "\n" + TIME,
     WEATHER + '\n<tool_call>\n{"name": "get_time", "arguments": {}}',
     "",
+    BARE,
+    " " + BARE + "\n",
+    f'[{BARE}, {{"name": "get_time", "arguments": {{}}}}]',
+    '{"answer": 42}',
 ]
 
 
-def replay(text: str, cuts: list[int], max_calls: int | None = None) -> tuple[str, list[dict], list]:
+def replay(text: str, cuts: list[int], names: tuple[str, ...] = ()) -> tuple[str, list[dict], list]:
     """Stream ``text`` cut at ``cuts``: the content shown, the calls the deltas add up to, the deltas."""
-    stream = HERMES.stream(max_calls)
+    stream = HERMES.stream(None, names)
     bounds = [0, *sorted(cuts), len(text)]
     events = [e for a, b in itertools.pairwise(bounds) for e in stream.feed(text[a:b])]
     events += stream.finish()
@@ -124,16 +150,17 @@ def replay(text: str, cuts: list[int], max_calls: int | None = None) -> tuple[st
     return content, built, deltas
 
 
+@pytest.mark.parametrize("names", [(), NAMES], ids=["tags", "bare"])
 @pytest.mark.parametrize("text", OUTPUTS)
-def test_streamed_in_any_pieces_adds_up_to_the_whole(text: str) -> None:
-    whole = HERMES.parse(text)
+def test_streamed_in_any_pieces_adds_up_to_the_whole(text: str, names: tuple[str, ...]) -> None:
+    whole = HERMES.parse(text, names=names)
     expected = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in whole.calls]
     cases = [[], [*range(1, len(text))]]  # one piece, one character at a time
     rng = random.Random(len(text))
     if len(text) > 1:
         cases += [rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))) for _ in range(40)]
     for cuts in cases:
-        content, built, _ = replay(text, cuts)
+        content, built, _ = replay(text, cuts, names)
         assert content == (whole.content or ""), cuts
         assert [{**b, "id": None} for b in built] == [{**e, "id": None} for e in expected], cuts
 
