@@ -9,11 +9,14 @@ answer; ``routes`` decides). Unknown keys inside our ``speculation`` block are a
 Accepted and ignored by name: `user`, `metadata`, `store`,
 `service_tier`, `stream_options.include_obfuscation`. OpenAI fields
 not implemented here are accepted at their neutral value and otherwise refused with a 400 naming the
-field: `n` != 1, non-zero penalties, `logit_bias`, legacy `functions` / `function_call`, `suffix`,
-`best_of` != 1. Structured output (``response_format``): `response_format` text / json_object /
-json_schema, on both endpoints. Tools (``tool_protocol``, ``tool_prompt``,
+field: legacy `functions` / `function_call`, `suffix`, `best_of` != 1. Structured output
+(``response_format``): `response_format` text / json_object / json_schema, on both endpoints.
+Tools (``tool_protocol``, ``tool_prompt``,
 ``tool_calls``, ``forced_tool_calls``): `tools`, `tool_choice` none / auto / required / a named function
 (those two through the grammar), `parallel_tool_calls`, assistant `tool_calls` and `tool` messages.
+`n` choices (1..128), several completions prompts (a list of texts or of token-id lists), penalties
+(`presence_penalty`, `frequency_penalty`; `repetition_penalty` is vLLM's extension) and `logit_bias`:
+``fields``, ``fanout`` (one engine request per choice), ``engine.penalties``.
 Logprobs (``logprobs_format``): chat `logprobs` + `top_logprobs` (0..20, needs
 `logprobs: true`), completions `logprobs` (0..20: vLLM's bound, above OpenAI's 5) and `echo` (the
 prompt first, with its logprobs when `logprobs` is set). Extensions: `top_k` (0 or -1 = off), `ignore_eos`,
@@ -31,7 +34,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from serve_app.api import fields
 from serve_app.api.errors import APIError
+from serve_app.api.fields import MAX_N
 from serve_app.api.logprobs_format import ChatLogprobs, CompletionLogprobs
 from serve_app.api.response_format import ResponseFormat, structured_output
 from serve_app.api.tool_prompt import check_message, tool_fields
@@ -47,11 +52,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 
 # Fields accepted only at a neutral value: name -> (is the value neutral?, why not otherwise).
 _NEUTRAL: dict[str, tuple[Any, str]] = {
-    "n": (lambda v: v in (None, 1), "only n=1 is supported"),
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
-    "presence_penalty": (lambda v: not v, "only 0 is supported (penalties are not implemented)"),
-    "frequency_penalty": (lambda v: not v, "only 0 is supported (penalties are not implemented)"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
     "suffix": (lambda v: not v, "suffix is not supported"),
     "functions": (lambda v: not v, "functions are not supported"),
     "function_call": (lambda v: v in (None, "none"), "functions are not supported"),
@@ -80,14 +81,15 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)  # choices per prompt (api.fanout)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id -> -100..100 (engine.penalties)
+    repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM): 1 = off
     user: str | None = None  # ignored
     metadata: dict[str, str] | None = None  # ignored
     store: bool | None = None  # ignored: nothing is stored
@@ -128,7 +130,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     """``POST /v1/completions``."""
 
-    prompt: str | list[int] = Field(description="Text, a list of one text, or token ids (one prompt).")
+    prompt: str | list[int] | list[str | list[int]] = Field(description="One prompt or a batch (fields).")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # this many alternatives per token
     echo: bool | None = None  # the prompt before the text (and its logprobs, with logprobs)
     suffix: str | None = None
@@ -137,19 +139,7 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
-            v = v[0]  # ["text"] or [[ids]]
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("must not be empty")
-            return v
-        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            if any(t < 0 for t in v):
-                raise ValueError("token ids must be >= 0")
-            return v
-        if isinstance(v, list) and len(v) > 1 and all(isinstance(p, str | list) for p in v):
-            raise ValueError("batched prompts are not supported: send one prompt per request")
-        raise ValueError("must be a non-empty string, a list with one string, or a list of token ids")
+        return fields.check_prompt(v)
 
 
 class ChatMessage(BaseModel):
@@ -249,6 +239,7 @@ def to_generate_request(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             **_logprobs(req),
+            **fields.penalties(req),
             structured=structured_output(req.response_format),  # a 400 for a bad schema
         )
     except ValueError as e:  # SamplingParams names the field first
@@ -265,7 +256,8 @@ def to_generate_request(
         fit_max_tokens=fit,
     )
     if isinstance(req, CompletionRequest):
-        return GenerateRequest(prompt=req.prompt, **common)  # type: ignore[arg-type]
+        first = fields.prompts(req.prompt)[0]  # a batch's others: api.fanout
+        return GenerateRequest(prompt=first, **common)  # type: ignore[arg-type]
     return GenerateRequest(messages=template_messages(req.messages), **common)  # type: ignore[arg-type]
 
 

@@ -27,7 +27,8 @@ from starlette.types import Receive, Scope, Send
 
 from serve_app.api import protocol as p
 from serve_app.api.errors import APIError, ApiKeyMiddleware, install_error_handlers
-from serve_app.api.outcome import Outcome, echo_text
+from serve_app.api.fanout import Choices, FanOutStream, choices, expand
+from serve_app.api.outcome import Outcome
 from serve_app.api.tokenizer_routes import add_tokenizer_routes
 from serve_app.api.tool_calls import tool_format
 from serve_app.api.tool_prompt import prepare_tools
@@ -84,7 +85,7 @@ class _Span:
         if self.ttft is None and chunk.token_ids:
             self.ttft = time.perf_counter() - self.t0
 
-    def end(self, outcome: Outcome | None = None, error: BaseException | None = None) -> None:
+    def end(self, outcome: Outcome | Choices | None = None, error: BaseException | None = None) -> None:
         span, self.span = self.span, None
         if span is None:
             return
@@ -222,7 +223,8 @@ class _Ingress:
             limit = min(info.max_tokens_limit, self.settings.max_tokens_limit or info.max_tokens_limit)
             greq = span.start(p.to_generate_request(body, info, request_id=rid, max_tokens_limit=limit), info)
             greq, tool_calls = prepare_tools(body, greq, info, self.tool_format)
-            out = Outcome(chat, None if chat else await echo_text(self.client, body), tool_calls)
+            # one engine request per choice (n per prompt, api.fanout), each with its own Outcome
+            out = await choices(self.client, body, expand(greq, body), lambda e: Outcome(chat, e, tool_calls))
             if body.stream:
                 return await self._stream(greq, body, span, request, out)
             return await self._complete(greq, body, span, request, out)
@@ -231,9 +233,9 @@ class _Ingress:
             raise
 
     async def _complete(
-        self, greq: GenerateRequest, body: Any, span: _Span, request: Request, out: Outcome
+        self, greq: GenerateRequest, body: Any, span: _Span, request: Request, out: Choices
     ) -> Response:
-        stream = self.client.generate(greq)
+        stream = FanOutStream(self.client, out.requests)
 
         async def collect() -> None:
             async for chunk in stream:
@@ -241,7 +243,7 @@ class _Ingress:
                     raise APIError.from_generate_error(chunk.error)
                 span.saw(chunk)
                 out.add(chunk)
-                if chunk.finished:
+                if out.finished:  # every choice
                     return
             raise APIError(500, _ENDED)
 
@@ -254,17 +256,17 @@ class _Ingress:
             raise error
         base = {"id": greq.request_id, "created": int(time.time()), "model": body.model, "usage": out.usage()}
         kind = p.ChatCompletion if isinstance(body, p.ChatCompletionRequest) else p.Completion
-        result = kind(choices=[out.choice()], speculation=out.speculation, **base)
+        result = kind(choices=out.choices(), speculation=out.speculation, **base)
         return JSONResponse(result.model_dump(mode="json"), headers={"X-Request-Id": greq.request_id})
 
     async def _stream(
-        self, greq: GenerateRequest, body: Any, span: _Span, request: Request, out: Outcome
+        self, greq: GenerateRequest, body: Any, span: _Span, request: Request, out: Choices
     ) -> Response:
-        stream, deadline = self.client.generate(greq), anyio.current_time() + self.timeout
+        stream, deadline = FanOutStream(self.client, out.requests), anyio.current_time() + self.timeout
         got: list[GenerateChunk] = []
 
         async def first_chunk() -> None:
-            got.append(await anext(aiter(stream), None) or _ENDED_EARLY)
+            got.append(await stream.first() or _ENDED_EARLY)  # every choice's first (or a refusal)
             span.saw(got[0])
 
         try:
@@ -286,30 +288,33 @@ class _Ingress:
             first: bool = False,
             logprobs: Any = None,
             tool_calls: Any = None,
+            index: int = 0,
             **extra: Any,
         ) -> str:
             choice: BaseModel
             if chat:
                 delta = p.ChatDelta(role="assistant" if first else None, content=text, tool_calls=tool_calls)
-                choice = p.ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=reason)
+                choice = p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
             else:
-                choice = p.CompletionChoice(text=text or "", logprobs=logprobs, finish_reason=reason)
+                text = text or ""
+                choice = p.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)
             kind = p.ChatCompletionChunk if chat else p.Completion
             return _sse(kind(choices=[] if extra.get("usage") else [choice], **base, **extra))
 
         async def events() -> AsyncGenerator[str, None]:
             chunk, error = first, None
             try:
-                if chat:
-                    yield event("", first=True)
+                for index in range(len(out.outcomes) if chat else 0):
+                    yield event("", first=True, index=index)
                 while chunk.error is None:
                     span.saw(chunk)  # a no-op after the first chunk, which carries the first token
-                    out.add(chunk)
+                    index, one = out.add(chunk)  # its choice
                     # the echoed prompt leads the first; tokens whose text is held back still show
-                    for text, logprobs, calls in out.stream_events(chunk):
-                        yield event(text, logprobs=logprobs, tool_calls=calls)
+                    for text, logprobs, calls in one.stream_events(chunk):
+                        yield event(text, logprobs=logprobs, tool_calls=calls, index=index)
                     if chunk.finished:
-                        yield event(None, out.finish_reason, speculation=out.speculation)
+                        yield event(None, one.finish_reason, index=index, speculation=one.speculation)
+                    if out.finished:
                         if usage:
                             yield event(None, usage=out.usage(), speculation=out.speculation)
                         break

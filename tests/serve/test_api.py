@@ -281,9 +281,14 @@ BAD_REQUESTS = [
     ("chat", {"messages": [{"role": "user"}]}, 400, "messages[0]", "content is required"),
     ("chat", {"messages": IMAGE}, 400, "messages[0].content", "'image_url' are not supported (text only)"),
     ("chat", {"model": 5}, 400, "model", "valid string"),
-    ("chat", {"n": 2}, 400, "n", "only n=1"),
-    ("chat", {"presence_penalty": 0.5}, 400, "presence_penalty", "only 0"),
-    ("chat", {"frequency_penalty": -1}, 400, "frequency_penalty", "only 0"),
+    ("chat", {"n": 0}, 400, "n", "greater than or equal to 1"),
+    ("chat", {"n": 129}, 400, "n", "less than or equal to 128"),
+    ("chat", {"presence_penalty": 2.5}, 400, "presence_penalty", "less than or equal to 2"),
+    ("chat", {"frequency_penalty": -3}, 400, "frequency_penalty", "greater than or equal to -2"),
+    ("chat", {"repetition_penalty": 0}, 400, "repetition_penalty", "greater than 0"),
+    ("chat", {"logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
+    ("chat", {"logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
+    ("chat", {"logit_bias": {"5": "1"}}, 400, "logit_bias.5", "valid number"),
     ("chat", {"top_logprobs": 2}, 400, "top_logprobs", "needs logprobs set to true"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "less than or equal to 20"),
     ("chat", {"logprobs": 1}, 400, "logprobs", "valid boolean"),
@@ -298,7 +303,10 @@ BAD_REQUESTS = [
     ("chat", {"speculation": {"mode": "eagle"}}, 400, "speculation.mode", "'draft', 'ngram'"),
     ("chat", {"speculation": "off"}, 400, "speculation", ""),
     ("chat", {"model": "gpt-4"}, 404, "model", "does not exist"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt", "batched prompts are not supported"),
+    ("completions", {"prompt": ["a", ""]}, 400, "prompt", "must not be empty"),
+    ("completions", {"prompt": [[1], [-1]]}, 400, "prompt", "token ids must be >= 0"),
+    ("completions", {"prompt": ["a"] * 257}, 400, "prompt", "at most 256 prompts"),
+    ("completions", {"prompt": ["a", "b", "c"], "n": 100}, 400, "n", "at most 256 choices"),
     ("completions", {"prompt": ""}, 400, "prompt", "must not be empty"),
     ("completions", {"prompt": 5}, 400, "prompt", "a list of token ids"),
     ("completions", {"stop": [""]}, 400, "stop", "non-empty strings"),
@@ -619,7 +627,7 @@ def test_openai_errors(server: Any) -> None:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=0)
     assert e.value.param == "n"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=str(client.base_url), api_key="sk-bad", max_retries=0).models.list()
