@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from serve_app.engine.proposers.base import Draft
-from serve_app.engine.structured import StructuredOutput
+from serve_app.engine.structured import LARK, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ class GrammarCompiler:
 
         matcher = llguidance.LLMatcher(self.lltokenizer(), spec.grammar(), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"invalid JSON schema: {matcher.get_error()}")
+            what = "grammar" if spec.kind == LARK else "JSON schema"
+            raise ValueError(f"invalid {what}: {matcher.get_error()}")
         return Grammar(matcher, self.vocab_size, self.eos_ids)
 
 

@@ -3,7 +3,10 @@
 A ``StructuredOutput`` rides in ``SamplingParams.structured`` across the Ray handle; the engine
 compiles it into a per-request grammar (``engine.grammar``) that masks the target's tokens. The HTTP
 layer builds one from ``response_format`` (JSON object, JSON schema); other callers (tool calls
-forced by ``tool_choice``) build one from any JSON schema with ``StructuredOutput.json_schema``.
+forced by ``tool_choice``) build one from any JSON schema with ``StructuredOutput.json_schema``, or
+wrap a schema in text with ``StructuredOutput.lark`` (llguidance's Lark, where ``%json {schema}``
+is a JSON value of that schema: ``start: "<tool_call>\n" %json {...} "\n</tool_call>"``; give the
+schema ``"x-guidance": JSON_OPTIONS`` for the engine's compact JSON, else any whitespace is allowed).
 ``grammar()`` is its llguidance grammar and ``check()`` validates it without a tokenizer (the
 ingress answers a schema the library cannot compile with a 400 before anything runs).
 """
@@ -16,6 +19,7 @@ from typing import Any, Literal
 
 JSON_OBJECT = "json_object"
 JSON_SCHEMA = "json_schema"
+LARK = "lark"
 
 # Any JSON object (OpenAI's json_object mode: "the model's output is valid JSON", an object).
 _ANY_OBJECT = '{"type": "object"}'
@@ -27,19 +31,22 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """The grammar a request's output follows: ``kind`` and, for a schema, its JSON text.
+    """The grammar a request's output follows: ``kind`` and its ``source`` (a schema's JSON text,
+    or a Lark grammar).
 
-    The schema is kept as JSON text so the object stays hashable and pickles small; keys keep their
+    A schema is kept as JSON text so the object stays hashable and pickles small; keys keep their
     order (the grammar writes an object's properties in the schema's order); ``schema`` gives it
     back as a dict.
     """
 
-    kind: Literal["json_object", "json_schema"]
-    schema_json: str = _ANY_OBJECT
+    kind: Literal["json_object", "json_schema", "lark"]
+    source: str = _ANY_OBJECT
 
     def __post_init__(self) -> None:
-        if self.kind not in (JSON_OBJECT, JSON_SCHEMA):
-            raise ValueError(f"structured output is {JSON_OBJECT!r} or {JSON_SCHEMA!r}, not {self.kind!r}")
+        if self.kind not in (JSON_OBJECT, JSON_SCHEMA, LARK):
+            raise ValueError(
+                f"structured output is {JSON_OBJECT!r}, {JSON_SCHEMA!r} or {LARK!r}, not {self.kind!r}"
+            )
 
     @classmethod
     def json_object(cls) -> StructuredOutput:
@@ -59,15 +66,27 @@ class StructuredOutput:
             raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
         return cls(JSON_SCHEMA, text)
 
+    @classmethod
+    def lark(cls, grammar: str) -> StructuredOutput:
+        """Text of a Lark grammar in llguidance's dialect (``%json {schema}`` embeds a schema)."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise ValueError("a Lark grammar must be a non-empty string")
+        return cls(LARK, grammar)
+
     @property
     def schema(self) -> dict[str, Any] | bool:
-        return json.loads(self.schema_json)
+        """The JSON schema (json_object: any object); a ValueError for a Lark grammar."""
+        if self.kind == LARK:
+            raise ValueError("a Lark grammar has no JSON schema")
+        return json.loads(self.source)
 
     def grammar(self) -> str:
-        """The llguidance grammar (JSON text) of this output; ValueError for a malformed schema."""
+        """The llguidance grammar of this output; ValueError for a malformed schema."""
         import llguidance
 
-        schema = _ANY_OBJECT if self.kind == JSON_OBJECT else self.schema_json
+        if self.kind == LARK:
+            return llguidance.LLMatcher.grammar_from_lark(self.source)
+        schema = _ANY_OBJECT if self.kind == JSON_OBJECT else self.source
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         except ValueError as e:
@@ -80,4 +99,4 @@ class StructuredOutput:
 
         error = llguidance.LLMatcher.validate_grammar(self.grammar())
         if error:
-            raise ValueError(f"invalid JSON schema: {error}")
+            raise ValueError(f"invalid {'grammar' if self.kind == LARK else 'JSON schema'}: {error}")

@@ -18,7 +18,7 @@ import torch
 from serve_app.engine.grammar import GrammarCompiler, allowed_tokens, constrain, trim_drafts
 from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.proposers.base import Draft
-from serve_app.engine.structured import StructuredOutput
+from serve_app.engine.structured import JSON_OPTIONS, StructuredOutput
 from tests.conftest import make_tiny_engine, make_tiny_hf_model
 
 PROMPTS = ['{"name": "specserve", "version": 1}', "def add(a, b):", "The quick brown fox"]
@@ -189,3 +189,22 @@ def test_structured_output_is_data() -> None:
         StructuredOutput.json_schema({"x": float("nan")})
     with pytest.raises(ValueError):
         StructuredOutput("regex")  # type: ignore[arg-type]
+
+
+def test_a_lark_grammar_wraps_a_schema_in_text(engine, prompts) -> None:
+    """What a forced tool call needs: ``<tool_call>`` + a JSON value of a schema + ``</tool_call>``."""
+    schema = {**SCHEMA, "x-guidance": JSON_OPTIONS}  # the engine's JSON whitespace inside Lark too
+    lark = f'start: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"'
+    params = SamplingParams(max_tokens=100, temperature=0.0, structured=StructuredOutput.lark(lark))
+    (plain,) = engine.generate(prompts[:1], [params], SpecOverride("off"))
+    assert plain.finish_reason == "stop", plain.text
+    assert plain.text.startswith("<tool_call>\n") and plain.text.endswith("\n</tool_call>")
+    jsonschema.validate(
+        json.loads(plain.text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")), SCHEMA
+    )
+    (spec,) = engine.generate(prompts[:1], [params], SpecOverride("self", 4))
+    assert spec.token_ids == plain.token_ids
+    with pytest.raises(ValueError, match="invalid grammar"):
+        engine.add_request(
+            prompts[0], SamplingParams(max_tokens=5, structured=StructuredOutput.lark("start: nothing"))
+        )
