@@ -140,6 +140,20 @@ def test_speculation_equals_plain_decoding(engine, prompts, name) -> None:
     assert accepted > 0  # penalized positions inside accepted drafts were verified
 
 
+def test_speculation_equals_plain_decoding_in_bfloat16(target_hf, tiny_tokenizer, prompts) -> None:
+    proposers = {"ngram": {"max_ngram": 3, "min_ngram": 1}, "self": {}}
+    engine = make_tiny_engine(target_hf, tiny_tokenizer, proposers=proposers, max_depth=8, self_skip=[1],
+                              dtype=torch.bfloat16)  # fmt: skip
+    assert engine.exact
+    params = [SamplingParams(max_tokens=16, temperature=t, seed=5, ignore_eos=True, **PENALTIES["all"])
+              for t in (0.0, 0.8)]  # fmt: skip
+    plain = [r.token_ids for r in engine.generate(prompts[:2], params, SpecOverride("off"))]
+    for mode in ("ngram", "self"):
+        for depth in (1, 4):
+            results = engine.generate(prompts[:2], params, SpecOverride(mode, depth))
+            assert [r.token_ids for r in results] == plain, (mode, depth)
+
+
 def test_a_huge_bias_forces_a_token_and_logprobs_stay_raw(engine, target_hf, prompts) -> None:
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={7: 100.0}, logprobs=1)
     (result,) = engine.generate(prompts[:1], params, SpecOverride("ngram", 4))
