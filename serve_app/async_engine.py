@@ -175,7 +175,7 @@ class AsyncEngine:
             exact=self.engine.exact,
             sampling=config.sampling,
             default_max_tokens=self.default_max_tokens,
-            template_tools=tokenizing.template_renders_tools(self.engine.tokenizer),
+            **tokenizing.template_info(self.engine.tokenizer),
         )
 
     async def health(self) -> bool:

@@ -52,6 +52,12 @@ def detokenize(engine: SpecEngine | None, token_ids: Sequence[int]) -> TokenizeR
     return TokenizeResult(token_ids=list(token_ids), text=engine.tokenizer.decode(list(token_ids)))
 
 
+def template_info(tokenizer: Any) -> dict[str, Any]:
+    """What the ingress needs to know of the tokenizer for tools (``EngineInfo`` fields)."""
+    added = getattr(tokenizer, "get_added_vocab", dict)()
+    return {"template_tools": template_renders_tools(tokenizer), "added_tokens": tuple(sorted(added))}
+
+
 def template_renders_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template reads a ``tools`` variable (Qwen2.5's does, SmolLM2's
     does not); the ingress writes the tools into the messages for one that does not."""

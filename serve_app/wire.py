@@ -76,6 +76,9 @@ class EngineInfo:
     default_max_tokens: int | None = None  # a request without max_tokens: at most this (None: the context)
     # The chat template renders a ``tools`` list; else the ingress writes the tools into the messages.
     template_tools: bool = False
+    # The texts of the tokenizer's added tokens (``<tool_call>`` in Qwen2.5's): a grammar names them
+    # as tokens, not text (``api.forced_tool_calls``).
+    added_tokens: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

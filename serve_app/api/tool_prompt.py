@@ -14,8 +14,9 @@ The prompt is built by the model's own chat template on the replica, which is gi
 
 ``tool_choice``: ``auto`` (the default with tools) offers them and parses what comes; ``none``
 offers none (the history is still rendered) and parses nothing, so the answer is plain text.
-``required`` and a named function offer them all and force the output into calls through the
-engine's grammar (``forced_tool_calls``); they cannot be combined with a ``response_format``.
+``required`` and a named function offer them all and force the output into calls, in the format's
+own text, through the engine's grammar (``forced_tool_calls``); they cannot be combined with a
+``response_format``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from serve_app.api import forced_tool_calls as forced
 from serve_app.api.errors import APIError
 from serve_app.api.tool_calls import CallParser, ToolFormat
 from serve_app.api.tool_protocol import ChatTool, NamedToolChoice, ToolCall
-from serve_app.engine.structured import StructuredOutput
 from serve_app.wire import EngineInfo, GenerateRequest
 
 
@@ -83,18 +83,12 @@ def prepare_tools(
     if not offered:
         return greq, None
     parallel, choice = req.parallel_tool_calls is not False, req.tool_choice
+    names = [t["function"]["name"] for t in offered]
+    parser = functools.partial(fmt.stream, None if parallel else 1, names)
     if choice is None or choice == "auto":
-        names = [t["function"]["name"] for t in offered]
-        return greq, functools.partial(fmt.stream, None if parallel else 1, names)
-    output: StructuredOutput
-    if isinstance(choice, NamedToolChoice):
-        tool = next(t for t in offered if t["function"]["name"] == choice.function.name)
-        output, parser = (
-            forced.named_output(tool),
-            functools.partial(forced.NamedCallStream, choice.function.name),
-        )
-    else:
-        output, parser = forced.required_output(offered, parallel), forced.RequiredCallsStream
+        return greq, parser
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    output = forced.forced_output(fmt, offered, named, parallel, info.added_tokens)
     if greq.sampling.structured is not None:
         why = "response_format cannot be combined with tool_choice 'required' or a named function"
         raise APIError(400, why, param="response_format")

@@ -1,7 +1,8 @@
 """``n`` choices and completions' prompt batches through the HTTP layer (``api.fanout``), over a fake
 engine that answers each engine request with its own prompt, seed and id: indexes in OpenAI's
 order, derived seeds, usage, streamed chunks per choice, and the error path (a refused or failing
-choice fails the request and no other choice is left running)."""
+choice fails the request and no other choice is left running); penalties and logit_bias reaching
+the engine's sampling parameters."""
 
 from __future__ import annotations
 
@@ -157,3 +158,15 @@ def test_one_choice_passes_the_engine_stream_through(http: TestClient, engine: C
     body = http.post("/v1/chat/completions", json={**CHAT, "seed": 4}).json()
     assert engine.requests[-1].request_id == body["id"] and engine.requests[-1].sampling.seed == 4
     assert [dataclasses.asdict(r.sampling)["seed"] for r in engine.requests] == [4]
+
+
+def test_penalties_and_logit_bias_reach_the_engine(http: TestClient, engine: ChoiceEngine) -> None:
+    extra = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.1,
+             "logit_bias": {"7": -100, "5": 10.5}}  # fmt: skip
+    for url, base in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        assert http.post(url, json={**base, **extra}).status_code == 200
+        s = engine.requests[-1].sampling
+        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.1)
+        assert s.logit_bias == ((5, 10.5), (7, -100.0)) and s.penalized
+    http.post("/v1/chat/completions", json=CHAT)
+    assert not engine.requests[-1].sampling.penalized  # nothing asked: nothing to pay

@@ -19,11 +19,11 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from serve_app.api import create_app
+from serve_app.api.forced_tool_calls import call_schema, forced_output
 from serve_app.api.tool_calls import HERMES
 from serve_app.async_engine import AsyncEngine
 from serve_app.config import ServerSettings
-from serve_app.engine.structured import StructuredOutput
-from serve_app.tokenizing import template_renders_tools
+from serve_app.tokenizing import template_info, template_renders_tools
 from serve_app.wire import EngineInfo
 from tests.conftest import make_tiny_engine, make_tiny_hf_model, make_tiny_tokenizer, pack_path
 from tests.serve.test_api import MODEL, FakeEngine, script
@@ -154,12 +154,16 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 def test_a_named_function_is_forced_by_the_grammar(server: tuple[FakeEngine, openai.OpenAI]) -> None:
     engine, client = server
-    engine.chunks = script('{"city": ', '"Paris"}')
+    engine.chunks = script(CALL[:30], CALL[30:])
     response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED)
-    # the output is the function's arguments, held to its parameters' schema
-    assert engine.requests[-1].sampling.structured == StructuredOutput.json_schema(
-        WEATHER_TOOL["function"]["parameters"]
-    )
+    # one <tool_call> block whose JSON names the function, its arguments held to its schema
+    structured = engine.requests[-1].sampling.structured
+    assert structured == forced_output(HERMES, TOOLS, "get_weather", parallel=True)
+    assert structured.kind == "lark" and structured.source.startswith("start: call\n")
+    schema = call_schema([WEATHER_TOOL])
+    assert schema["properties"]["name"]["enum"] == ["get_weather"]
+    assert schema["properties"]["arguments"] == WEATHER_TOOL["function"]["parameters"]
+    assert json.dumps(schema) in structured.source
     assert engine.requests[-1].tools == TOOLS  # all offered, as vLLM does
     (choice,) = response.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -171,51 +175,40 @@ def test_a_named_function_is_forced_by_the_grammar(server: tuple[FakeEngine, ope
     deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
     assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
         (0, "get_weather", ""),
-        (0, None, '{"city": '),  # the arguments stream as they come
-        (0, None, '"Paris"}'),
+        (0, None, '{"city": "Paris"}'),
     ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_required_forces_a_list_of_calls(server: tuple[FakeEngine, openai.OpenAI]) -> None:
+def test_required_forces_calls_of_the_offered_tools(server: tuple[FakeEngine, openai.OpenAI]) -> None:
     engine, client = server
-    engine.chunks = script(
-        '[{"name": "get_time", "arguments": {}}, ', '{"name": "get_weather", "arguments": {"city": "Paris"}}]'
-    )
+    engine.chunks = script(CALL + "\n", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
     response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
-    schema = engine.requests[-1].sampling.structured.schema
-    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
-    assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [
-        ["get_weather"],
-        ["get_time"],
-    ]
-    assert schema["items"]["anyOf"][0]["properties"]["arguments"] == WEATHER_TOOL["function"]["parameters"]
+    structured = engine.requests[-1].sampling.structured
+    assert structured == forced_output(HERMES, TOOLS, None, parallel=True)
+    assert structured.source.startswith('start: call ("\\n" call)*\n')  # one call or more
+    schema = call_schema(TOOLS)
+    assert [c["properties"]["name"]["enum"] for c in schema["anyOf"]] == [["get_weather"], ["get_time"]]
+    assert schema["anyOf"][1]["properties"]["arguments"] == {"type": "object"}  # no parameters: any object
     (choice,) = response.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
-        ("get_time", "{}"),
         ("get_weather", '{"city": "Paris"}'),
+        ("get_time", "{}"),
     ]
-    engine.chunks = script('[{"name": "get_time", "arguments": {}}]')
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice="required",
-            parallel_tool_calls=False,
-            stream=True,
-        )
-    )
-    assert engine.requests[-1].sampling.structured.schema["maxItems"] == 1
+    engine.chunks = script(CALL)
+    params = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+    chunks = list(client.chat.completions.create(**params, parallel_tool_calls=False, stream=True))
+    assert engine.requests[-1].sampling.structured.source.startswith("start: call\n")  # exactly one
     deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_time", ""), (None, "{}")]
-    engine.chunks = script('[{"name": "get_time", ', reason="length")  # cut off: content, as written
-    choice = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required"
-    ).choices[0]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        ("get_weather", ""),
+        (None, '{"city": "Paris"}'),
+    ]
+    engine.chunks = script(CALL[:30], reason="length")  # cut off inside the call: content, as written
+    choice = client.chat.completions.create(**params).choices[0]
     assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (
-        '[{"name": "get_time", ',
+        CALL[:30],
         None,
         "length",
     )
@@ -308,7 +301,7 @@ def test_a_template_without_tools_gets_them_written_into_the_messages(
     tiny: AsyncEngine, tiny_tokenizer: Any
 ) -> None:
     template = tiny_tokenizer.chat_template  # "role: content" lines, no notion of tools (as SmolLM2's)
-    assert not template_renders_tools(tiny_tokenizer)
+    assert template_info(tiny_tokenizer) == {"template_tools": False, "added_tokens": ("<eos>",)}
     prompt = templated(tiny, template, HISTORY, TOOLS)
     system, rest = prompt.split("\nuser: ", 1)
     assert system == "system: You are terse.\n\n" + HERMES.describe(TOOLS)
@@ -344,7 +337,7 @@ def test_forced_calls_on_a_real_engine_follow_the_schemas(tiny: AsyncEngine) -> 
         },
     ]
     http = TestClient(create_app(tiny, ServerSettings()))
-    base = {"model": "tiny", "messages": ASK, "tools": tools, "max_tokens": 64, "temperature": 1.0}
+    base = {"model": "tiny", "messages": ASK, "tools": tools, "max_tokens": 160, "temperature": 1.0}
     named = {"type": "function", "function": {"name": "forecast"}}
     for seed in range(3):
         body = {**base, "tool_choice": named, "seed": seed}
@@ -374,3 +367,17 @@ def test_a_forced_choice_and_a_response_format_do_not_mix(server: tuple[FakeEngi
             response_format={"type": "json_object"},
         )
     assert info.value.body["param"] == "response_format"
+
+
+def test_a_tag_that_is_a_token_of_its_own_is_named_as_that_token() -> None:
+    """llguidance reads an added token (Qwen2.5's ``<tool_call>``) as a token, never as its text:
+    the grammar names it (``<tool_call>``, unquoted), else it would force the token and then refuse it."""
+    plain = forced_output(HERMES, TOOLS, "get_time", parallel=True).source
+    assert plain.startswith('start: call\ncall: "<tool_call>" "\\n" %json {') and plain.endswith(
+        '"\\n" "</tool_call>"\n'
+    )
+    tokens = forced_output(
+        HERMES, TOOLS, "get_time", True, ("<tool_call>", "</tool_call>", "<|im_end|>")
+    ).source
+    assert tokens == plain.replace('"<tool_call>"', "<tool_call>").replace('"</tool_call>"', "</tool_call>")
+    forced_output(HERMES, TOOLS, None, True, ("<tool_call>", "</tool_call>")).check()  # compiles
