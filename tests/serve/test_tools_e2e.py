@@ -2,9 +2,9 @@
 template renders tools), the official ``openai`` client, real HTTP.
 
 What is asserted is the mechanics, not the model's judgment: a call forced by naming the function
-comes back as ``tool_calls`` whose arguments follow the schema; the call and the tool's answer sent
-back are templated and answered; with ``tool_choice: auto`` the streamed answer (content and
-``delta.tool_calls``) adds up to the non-streamed one (greedy: the same tokens).
+(or by ``required``) comes back as ``tool_calls`` whose arguments follow the schema; the call and
+the tool's answer sent back are templated and answered; with ``tool_choice: auto`` the streamed
+answer (content and ``delta.tool_calls``) adds up to the non-streamed one (greedy: the same tokens).
 """
 
 from __future__ import annotations
@@ -96,6 +96,21 @@ def test_a_tool_call_round_trip(client: openai.OpenAI) -> None:
     assert choice.finish_reason in {"stop", "length", "tool_calls"}
     assert choice.message.content or choice.message.tool_calls
     assert final.usage.prompt_tokens > 100  # the tools, the call and its answer were all templated
+
+    # required: the grammar writes <tool_call> blocks, Qwen's own tags (tokens of their own); one
+    # block, as greedy 0.5B goes on calling for other cities when it may
+    forced = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=48,
+        temperature=0.0,
+    ).choices[0]
+    assert forced.finish_reason == "tool_calls" and forced.message.content is None
+    ((name, arguments),) = [(c.function.name, c.function.arguments) for c in forced.message.tool_calls]
+    assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str)
 
     params = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 64, "temperature": 0.0}
     whole = client.chat.completions.create(**params).choices[0]
