@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -30,6 +31,8 @@ from serve_app.api import protocol as p
 from serve_app.api.errors import APIError
 from serve_app.api.outcome import Outcome, echo_text
 from serve_app.wire import EngineClient, GenerateChunk, GenerateRequest
+
+log = logging.getLogger(__name__)
 
 _SEED_MIN, _SEED_SPAN = -(2**63), 2**64 + 2**63  # the seeds protocol accepts: [-2^63, 2^64)
 
@@ -214,7 +217,10 @@ class FanOutStream:
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
-        for stream in self._streams:
+        for stream in self._streams:  # each one, even when closing another failed
             close = getattr(stream, "aclose", None)
             if close is not None:
-                await close()
+                try:
+                    await close()
+                except Exception:
+                    log.exception("closing an engine stream failed")
