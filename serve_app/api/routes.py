@@ -73,6 +73,7 @@ class _Span:
         attrs = otel.gen_ai_request_attributes(
             self.op, self.model, s.max_tokens, s.temperature, s.top_p,
             top_k=s.top_k, seed=s.seed, stop_sequences=s.stop, stream=self.stream,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         )  # fmt: skip
         self.span.set_attributes({**attrs, "gen_ai.response.id": greq.request_id})
         self.span.set_attribute("gen_ai.response.model", info.model)

@@ -255,11 +255,13 @@ def gen_ai_request_attributes(
     seed: int | None = None,
     stop_sequences: Sequence[str] = (),
     stream: bool | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
 ) -> dict[str, AttributeValue]:
     """GenAI request attributes; ``operation`` is ``"chat"`` or ``"text_completion"``.
 
     The optional ones are left out when unset: ``top_k`` 0 (the filter is off), no ``seed``, no stop
-    sequences, ``stream`` None. ``gen_ai.request.top_k`` is a double in the conventions.
+    sequences, ``stream`` None, penalties 0. ``gen_ai.request.top_k`` is a double in the conventions.
     """
     return clean_attributes(
         {
@@ -274,6 +276,8 @@ def gen_ai_request_attributes(
             "gen_ai.request.seed": seed,
             "gen_ai.request.stop_sequences": tuple(stop_sequences) or None,
             "gen_ai.request.stream": stream,
+            "gen_ai.request.presence_penalty": presence_penalty or None,
+            "gen_ai.request.frequency_penalty": frequency_penalty or None,
         }
     )
 

@@ -98,13 +98,25 @@ def test_gen_ai_request_and_usage_attributes() -> None:
     }
     # the optional request attributes, when set (top_k 0 is "off": left out, as above)
     optional = gen_ai_request_attributes(
-        "text_completion", "m", 8, 0.0, 1.0, top_k=40, seed=7, stop_sequences=["\n\n", "END"], stream=False
+        "text_completion",
+        "m",
+        8,
+        0.0,
+        1.0,
+        top_k=40,
+        seed=7,
+        stop_sequences=["\n\n", "END"],
+        stream=False,
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
     )
     assert {k: v for k, v in optional.items() if k not in request} == {
         "gen_ai.request.top_k": 40.0,
         "gen_ai.request.seed": 7,
         "gen_ai.request.stop_sequences": ("\n\n", "END"),
         "gen_ai.request.stream": False,
+        "gen_ai.request.presence_penalty": 0.5,
+        "gen_ai.request.frequency_penalty": -1.0,
     }
     assert "gen_ai.request.top_k" not in gen_ai_request_attributes("chat", "m", 8, 1.0, 1.0, top_k=0)
     usage = gen_ai_usage_attributes(12, 34, ["stop", "length"], "chatcmpl-1")
