@@ -27,6 +27,7 @@ from serve_app.tokenizing import template_info, template_renders_tools
 from serve_app.wire import EngineInfo
 from tests.conftest import make_tiny_engine, make_tiny_hf_model, make_tiny_tokenizer, pack_path
 from tests.serve.test_api import MODEL, FakeEngine, script
+from tests.serve.test_api_logprobs import CHAT_CONTENT, logprob_chunks
 
 WEATHER_TOOL = {
     "type": "function",
@@ -356,6 +357,22 @@ def test_forced_calls_on_a_real_engine_follow_the_schemas(tiny: AsyncEngine) -> 
         )
 
 
+def test_a_schema_the_grammar_cannot_compile_is_a_400_naming_tools(
+    server: tuple[FakeEngine, openai.OpenAI],
+) -> None:
+    _, client = server
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}},
+        },
+    }
+    with pytest.raises(openai.BadRequestError, match="Invalid type: nonsense") as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[bad], tool_choice="required")
+    assert info.value.body["param"] == "tools"
+
+
 def test_a_forced_choice_and_a_response_format_do_not_mix(server: tuple[FakeEngine, openai.OpenAI]) -> None:
     _, client = server
     with pytest.raises(openai.BadRequestError, match="cannot be combined") as info:
@@ -381,3 +398,23 @@ def test_a_tag_that_is_a_token_of_its_own_is_named_as_that_token() -> None:
     ).source
     assert tokens == plain.replace('"<tool_call>"', "<tool_call>").replace('"</tool_call>"', "</tool_call>")
     forced_output(HERMES, TOOLS, None, True, ("<tool_call>", "</tool_call>")).check()  # compiles
+
+
+def test_logprobs_stream_beside_tool_calls(server: tuple[FakeEngine, openai.OpenAI]) -> None:
+    """Every token's logprob is streamed once, whatever the parser shows or holds back."""
+    engine, client = server
+    engine.chunks = logprob_chunks()
+    params = {"model": MODEL, "messages": ASK, "tools": TOOLS, "logprobs": True, "top_logprobs": 2}
+    chunks = list(client.chat.completions.create(**params, stream=True))
+    entries = [
+        e.model_dump()
+        for c in chunks
+        for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])
+    ]
+    assert entries == CHAT_CONTENT
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello€!"
+    whole = client.chat.completions.create(**params).choices[0]
+    assert (
+        whole.message.content == "Hello€!"
+        and [e.model_dump() for e in whole.logprobs.content] == CHAT_CONTENT
+    )

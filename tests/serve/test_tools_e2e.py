@@ -1,5 +1,6 @@
 """Tools end to end: the real Ray Serve application on the Qwen2.5-Coder 0.5B pack (its own chat
-template renders tools), the official ``openai`` client, real HTTP.
+template renders tools) and on SmolLM2-135M (its template ignores them: the ingress writes them
+into the messages), the official ``openai`` client, real HTTP.
 
 What is asserted is the mechanics, not the model's judgment: a call forced by naming the function
 (or by ``required``) comes back as ``tool_calls`` whose arguments follow the schema; the call and
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -119,3 +121,48 @@ def test_a_tool_call_round_trip(client: openai.OpenAI) -> None:
     if calls:  # the model chose to call (as Qwen2.5 does here): the call is well formed
         assert whole.finish_reason == "tool_calls" and calls[0][0] == "get_weather"
         assert isinstance(json.loads(calls[0][1]), dict)
+
+
+@pytest.fixture(scope="module")
+def smol_client(smollm2_path: Path, serve_http: str) -> Iterator[openai.OpenAI]:
+    """SmolLM2-135M, whose chat template ignores tools: the ingress writes them into the messages."""
+    pack = str(smollm2_path)
+    args = {
+        "model": {"target": pack, "draft": None},
+        "runtime": {"dtype": "float32", "threads": 2},
+        "cache": {"max_slots": 2, "max_seq_len": 1024},
+        "speculation": {"method": "ngram", "depth": 4, "policy": "static"},
+        "server": {"served_model_name": SMOL, "max_tokens_limit": 128},
+        "autoscaling": {"replica_num_cpus": 1, "max_queued_requests": 8},
+    }
+    serve.run(build_app(args), name=f"{APP}-smol", route_prefix="/smol")
+    try:
+        yield openai.OpenAI(base_url=f"{serve_http}/smol/v1", api_key="unused", max_retries=0, timeout=300)
+    finally:
+        serve.delete(f"{APP}-smol")
+
+
+SMOL = "smollm2-tools"
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
+def test_a_round_trip_on_a_template_without_tools(smol_client: openai.OpenAI) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    params = {"model": SMOL, "tools": [WEATHER], "max_tokens": 48, "temperature": 0.0}
+    first = smol_client.chat.completions.create(messages=ASK, tool_choice=named, **params)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(
+        json.loads(call.function.arguments)["city"], str
+    )
+    assert first.usage.prompt_tokens > 150  # the tools were written into the system message
+    history = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'},
+    ]
+    final = smol_client.chat.completions.create(messages=history, **params)
+    assert final.choices[0].finish_reason in {"stop", "length", "tool_calls"}
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens  # the call and the result templated
