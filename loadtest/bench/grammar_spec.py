@@ -18,11 +18,16 @@ import time
 from typing import Any
 
 from loadtest.bench.grammar_libs import SCHEMAS
+from policies import FIXED_POLICY
 from serve_app.builder import build_engine
 from serve_app.config import build_settings
 from serve_app.engine.params import SamplingParams, SpecOverride
+from serve_app.engine.proposers.registry import proposer_specs
 from serve_app.engine.structured import StructuredOutput
 
+# Plain decoding, then every proposer that drafts without a model of its own (the registry's).
+MODES = ["off", *(spec.name for spec in proposer_specs() if spec.model_role is None)]
+NO_DRAFT_MODELS = {spec.model_role: None for spec in proposer_specs() if spec.model_role}  # none loaded
 ASKS = {
     "person": "Invent a person and describe them as JSON with their name, age and whether they are a member.",
     "order": "Write a JSON order: an id, a status, two or three items (sku and quantity) and the customer.",
@@ -43,17 +48,17 @@ def run(engine: Any, prompt: list[int], params: SamplingParams, mode: str, depth
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--modes", nargs="+", default=["off", "ngram", "self"])
+    parser.add_argument("--modes", nargs="+", default=MODES)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     settings = build_settings(
-        {"model": {"target": args.model, "draft": None}, "runtime": {"dtype": args.dtype},
+        {"model": {"target": args.model, **NO_DRAFT_MODELS}, "runtime": {"dtype": args.dtype},
          "speculation": {"method": "off", "extra_proposers": [m for m in args.modes if m != "off"]}},
     )  # fmt: skip
-    engine = build_engine(settings, max_slots=1, max_depth=args.depth, policy="static")
+    engine = build_engine(settings, max_slots=1, max_depth=args.depth, policy=FIXED_POLICY)
     cells: dict[tuple[str, bool], list[dict]] = {}
     warm = engine.encode_prompt(ASKS["person"], chat=True)  # first calls: tokenizer for the grammar, caches
     for structured in (StructuredOutput.json_object(), None):
