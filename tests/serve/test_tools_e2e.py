@@ -85,6 +85,18 @@ def test_a_tool_call_round_trip(client: openai.OpenAI) -> None:
     assert call.function.name == "get_weather" and isinstance(
         json.loads(call.function.arguments)["city"], str
     )
+    # the forced call is the same with speculation off (prompt lookup drafts inside the grammar)
+    off = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice=named,
+        max_tokens=48,
+        temperature=0.0,
+        extra_body={"speculation": {"mode": "off"}},
+    )
+    assert off.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    assert off.model_extra["speculation"]["drafted"] == 0
 
     history = [
         *ASK,
