@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from serve_app.engine.attention import grouped_attention
-from serve_app.engine.invariance import RowPlan, attention_agrees, probe_rows
+from serve_app.engine.invariance import PROBE_ELEMENTS, RowPlan, attention_agrees, probe_rows
 from serve_app.engine.model import ATTENTION, PRODUCTS, DecoderModel
 from serve_app.engine.weights import Weight, linear, product_kind
 
@@ -48,9 +48,9 @@ def make_exact(model: DecoderModel) -> Exactness:
     probed: dict[str, RowPlan] = {}
     plans: dict[str, RowPlan] = {}  # the kinds the model runs after any fallback
 
-    def plan_of(kind: str, probe: object, in_features: int) -> RowPlan:
+    def plan_of(kind: str, probe: object, in_features: int, elements: int = PROBE_ELEMENTS) -> RowPlan:
         if kind not in probed:
-            probed[kind] = probe_rows(probe, in_features, model.dtype, model.device)  # type: ignore[arg-type]
+            probed[kind] = probe_rows(probe, in_features, model.dtype, model.device, elements)  # type: ignore[arg-type]
         plans[kind] = probed[kind]
         return probed[kind]
 
@@ -77,7 +77,8 @@ def make_exact(model: DecoderModel) -> Exactness:
         model.head_plan = exact_weight(model.lm_head)[1]
     cfg = model.cfg
     kind = f"attention {str(model.dtype).removeprefix('torch.')} d{cfg.head_dim}"
-    attention = plan_of(kind, partial(_attention_rows, model), cfg.head_dim)
+    # attention's products are small and each probe call draws its keys: a 32nd of the elements
+    attention = plan_of(kind, partial(_attention_rows, model), cfg.head_dim, PROBE_ELEMENTS // 32)
     for layer in model.layers:
         layer.plans[ATTENTION] = attention
     exact = all(plan.invariant for plan in plans.values())

@@ -11,11 +11,17 @@ where a kernel may pick another blocking, and so another rounding, for another r
 - AVX2-only EPYC: bf16 agrees at every row count (no native bf16 kernel: one generic path);
   float32 ``F.linear`` agrees only at multiples of 4 below 12, and at every count from 12;
   oneDNN-prepacked float32 disagrees at 1 row only.
+- AMX Xeon (AVX-512 BF16 + AMX): bf16 oneDNN prepacked rounds the 1-row product differently, as on
+  the EPYC, but on some shapes in only ~1 output element of 7000 (SmolLM2's 576x1536; every kind of
+  Qwen 1.5B's shows it once enough elements are compared).
 
 So nothing is assumed: :func:`probe_rows` runs a product at every row count up to
-``PROBE_ROWS`` (two inputs, the rows also permuted) and records which counts give exactly the rows
-of the widest run. ``RowPlan.padded(m)`` is then the smallest such count ``>= m``: a product of
-``m`` rows runs as that many (zero rows appended, sliced off after). A product kind with no count
+``PROBE_ROWS`` (on enough windows of random rows to compare ``PROBE_ELEMENTS`` outputs per count,
+the rows also permuted) and records which counts give exactly the rows of the widest run. A
+difference that rare is why the probe needs its numbers: a rounding flip shows only where the
+float32 sum lies within its order's error of a bf16 rounding boundary. ``RowPlan.padded(m)`` is then
+the smallest such count ``>= m``: a product of ``m`` rows runs as that many (zero rows appended,
+sliced off after). A product kind with no count
 from which every wider one agrees cannot be made invariant here; the model then says so
 (``exact: false``) instead of pretending.
 """
@@ -28,6 +34,12 @@ from dataclasses import dataclass
 import torch
 
 PROBE_ROWS = 16  # row counts probed (against 32); wider products are taken as invariant (the tail held)
+# Output elements compared per row count. Measured on an AMX Xeon (bf16, 2 threads): SmolLM2's
+# 576x1536 down product rounds 1 element in ~7000 differently alone than among 2+ rows, so two
+# 32-row inputs (1152 elements at 1 row) missed it and speculation parted from plain decoding;
+# 2^17 elements find such a kernel with ~18 differing elements expected.
+PROBE_ELEMENTS = 1 << 17
+PROBE_WINDOW_ROWS = 256  # at most this many rows per count (a tiny test model's narrow products)
 
 
 @dataclass(frozen=True)
@@ -70,27 +82,52 @@ def probe_rows(
     in_features: int,
     dtype: torch.dtype,
     device: torch.device,
+    elements: int = PROBE_ELEMENTS,
 ) -> RowPlan:
     """Probe ``product`` (``[m, in_features] -> [m, out]``) at every row count up to ``PROBE_ROWS``
-    against a reference of twice as many rows (so that a count is judged against a wider one)."""
+    against references of ``2 * PROBE_ROWS`` rows (so that a count is judged against a wider one).
+
+    Each count is compared on at least ``elements`` output elements (at most
+    ``PROBE_WINDOW_ROWS`` rows), as many windows of its rows as that takes (module doc: a rounding
+    that differs by a product's row count shows in few elements, since the output's rounding hides
+    most differences of summation order)."""
     generator = torch.Generator(device="cpu").manual_seed(1234)
-    agreeing = set(range(1, PROBE_ROWS + 1))
-    for _ in range(2):
-        x = torch.randn(2 * PROBE_ROWS, in_features, generator=generator).to(device=device, dtype=dtype)
-        reference = product(x)
-        flipped = product(x.flip(0)).flip(0)  # each row at another position
-        if not torch.equal(flipped, reference):
-            agreeing.clear()
-            break
-        for rows in range(1, PROBE_ROWS + 1):
-            if rows in agreeing and not torch.equal(product(x[:rows]), reference[:rows]):
-                agreeing.discard(rows)
+    wide = 2 * PROBE_ROWS
+    first = _probe_input(wide, in_features, generator, 0)
+    out_features = max(1, product(first.to(device=device, dtype=dtype)).shape[-1])
+    windows = {r: min(-(-elements // (r * out_features)), -(-PROBE_WINDOW_ROWS // r))
+               for r in range(1, PROBE_ROWS + 1)}  # fmt: skip
+    needed = max(r * n for r, n in windows.items())
+    chunks = [first] + [_probe_input(wide, in_features, generator, c) for c in range(1, -(-needed // wide))]
+    x = torch.cat(chunks).to(device=device, dtype=dtype)  # [chunks * wide, in_features]
+    references = []
+    for start in range(0, x.shape[0], wide):
+        rows = x[start : start + wide]
+        reference = product(rows)
+        if not torch.equal(product(rows.flip(0)).flip(0), reference):  # each row at another position
+            return RowPlan(frozenset(), None)
+        references.append(reference)
+    reference = torch.cat(references)
+    agreeing = {
+        r
+        for r, n in windows.items()
+        if all(torch.equal(product(x[i * r : (i + 1) * r]), reference[i * r : (i + 1) * r]) for i in range(n))
+    }
     tail_from = None
     for start in range(PROBE_ROWS, 0, -1):
         if start not in agreeing:
             break
         tail_from = start
     return RowPlan(frozenset(agreeing), tail_from)
+
+
+def _probe_input(rows: int, in_features: int, generator: torch.Generator, chunk: int) -> torch.Tensor:
+    """Gaussian rows, every other chunk heavy-tailed (a few large inputs dominate each sum, as after
+    an MLP's gate): the second kind shows rounding differences more often (measured)."""
+    x = torch.randn(rows, in_features, generator=generator)
+    if chunk % 2:
+        x = x * torch.exp(1.5 * torch.randn(rows, in_features, generator=generator))
+    return x
 
 
 def attention_agrees(

@@ -97,6 +97,20 @@ def test_a_request_alone_equals_it_beside_seven_others(smollm2, prompts, params)
         assert batch[0].token_ids == alone, mode
 
 
+def test_a_rare_one_row_rounding_does_not_part_speculation_from_plain(smollm2) -> None:
+    # The regression of the probe's power (engine.invariance, PROBE_ELEMENTS): on an AMX Xeon
+    # SmolLM2's 576x1536 product rounds ~1 output in 7000 differently at 1 row; a probe of 1152
+    # elements missed it, and these two prompts parted from plain decoding at tokens 12 and 28
+    # with self drafting and n-gram lookup.
+    texts = ["def quicksort(arr):", "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
+             "    def push(self, item):"]  # fmt: skip
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    rows = [smollm2.encode_prompt(t) for t in texts]
+    plain = tokens(smollm2, rows, long, "off")
+    for mode in ("self", "ngram"):
+        assert tokens(smollm2, rows, long, mode, 4) == plain, mode
+
+
 @pytest.mark.parametrize("size", [3, 8])
 def test_batches_of_mixed_modes_equal_their_plain_runs(smollm2, prompts, size) -> None:
     rows = [prompts[i % len(prompts)] for i in range(size)]

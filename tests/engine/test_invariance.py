@@ -31,6 +31,22 @@ def test_probe_finds_the_agreeing_counts() -> None:
     assert plan.invariant and plan.min_rows == 4
 
 
+def test_the_probe_finds_a_rounding_that_shows_in_one_element_of_thousands() -> None:
+    # Like oneDNN's bf16 1-row product on an AMX Xeon: alone, a row rounds about one output in
+    # 1024 differently (which ones depends on the values), among others never.
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        out = (x[:, None, :] * weight).sum(-1)  # each (row, output) summed alone: agrees at any count
+        if x.shape[0] == 1:
+            rare = (out * 1e4).floor().remainder(1024) == 0
+            out = torch.where(rare, out + 1e-3, out)
+        return out
+
+    plan = probe_rows(product, 32, torch.float32, torch.device("cpu"))
+    assert plan.tail_from == 2 and plan.padded(1) == 2
+
+
 def test_a_product_that_depends_on_every_count_is_not_invariant() -> None:
     plan = probe_rows(lambda x: x[:, :2] * x.shape[0], 8, torch.float32, torch.device("cpu"))
     assert not plan.invariant and plan.padded(3) == 3
@@ -114,8 +130,8 @@ def test_a_prepacked_kind_that_cannot_be_made_invariant_runs_unpacked(monkeypatc
     layer.down = torch.ops.mkldnn._reorder_linear_weight(dense, 1)
     real_probe = exactness.probe_rows
 
-    def probe(product, in_features, dtype, device):
-        plan = real_probe(product, in_features, dtype, device)
+    def probe(product, in_features, dtype, device, *more):
+        plan = real_probe(product, in_features, dtype, device, *more)
         prepacked = (
             getattr(product.keywords.get("weight"), "is_mkldnn", False)
             if hasattr(product, "keywords")
