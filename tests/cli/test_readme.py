@@ -31,9 +31,9 @@ README = ROOT / "README.md"
 SMOLLM2 = "smollm2-135m-instruct"
 QWEN_GENERATE = [
     '.venv/bin/specserve generate --prompt "def quicksort(arr):" --max-tokens 128',
-    '.venv/bin/specserve generate --chat --prompt "Explain KV caches" --temperature 0.7 --seed 1',
-    '.venv/bin/specserve generate --prompt "def quicksort(arr):" --method draft --depth 6',
-    '.venv/bin/specserve generate --prompt "def quicksort(arr):" --method ngram',
+    '.venv/bin/specserve generate --chat --prompt "Explain KV caches" --temperature 0.7 --seed 1 --max-tokens 256',
+    '.venv/bin/specserve generate --prompt "def quicksort(arr):" --method draft --depth 6 --max-tokens 128',
+    '.venv/bin/specserve generate --prompt "def quicksort(arr):" --method ngram --max-tokens 128',
 ]
 AS_WRITTEN = {
     f'.venv/bin/specserve generate --model {SMOLLM2} --chat --prompt "Hi" --stop "."': "fast",
@@ -61,6 +61,7 @@ SYNOPSES = {
     ],
 }
 SERVED = "test_make_serve_then_the_readme_clients"  # runs these against `make serve`
+AUTOSCALED = "tests/serve/test_autoscaling_e2e.py (the same settings through build_app: 1 -> 2 -> 1 replicas)"
 SERVE_BUILD = "tests/serve/test_serve_entry.py (serve build; serve deploy of its output to a local cluster)"
 ELSEWHERE = {
     "make serve": SERVED,
@@ -73,6 +74,12 @@ ELSEWHERE = {
         "--host http://127.0.0.1:8000 CodeUser"
     ): SERVED,
     "make test": "CI itself (.ci/run runs it on a fresh clone)",
+    (
+        "SPECSERVE_AUTOSCALING__UPSCALE_DELAY_S=2 SPECSERVE_AUTOSCALING__DOWNSCALE_DELAY_S=10 "
+        ".venv/bin/specserve serve --model smollm2-135m-instruct --method ngram --max-replicas 2 "
+        "--replica-cpus 1"
+    ): AUTOSCALED,
+    "curl -s http://127.0.0.1:8000/metrics | grep '^specserve:num_requests_running'": AUTOSCALED,
     ".venv/bin/specserve loadtest [--policies ...] [--users 1 4 16 32] [--mixes mixed] [--run-time 90]": (
         "tests/loadtest/test_smoke.py (an instance on SmolLM2: two policies, one load level, seconds)"
     ),
