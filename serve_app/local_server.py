@@ -91,6 +91,14 @@ def serve_locally(settings: Settings) -> int:
                 "set SPECSERVE_AUTOSCALING__REPLICA_NUM_CPUS lower or they will never start",
                 file=sys.stderr,
             )
+        most = settings.autoscaling.replica_num_cpus * settings.autoscaling.max_replicas
+        if needed <= cpus < most:
+            print(
+                f"[specserve] note: {settings.autoscaling.max_replicas} engine replicas would need {most:g} "
+                f"CPUs, the cluster has {cpus:g}: autoscaling stops at "
+                f"{int(cpus // settings.autoscaling.replica_num_cpus)}",
+                file=sys.stderr,
+            )
         host, port = settings.server.host, settings.server.port
         serve.start(http_options={"host": host, "port": port})
         app_name = APP_NAME

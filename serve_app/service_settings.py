@@ -58,6 +58,9 @@ class AutoscalingSettings(_Section):
         description="Ongoing requests per replica the autoscaler aims for; default: the slot count.",
     )
     upscale_delay_s: float = Field(10.0, ge=0, description="How long load must stay high before scaling up.")
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="The window Serve averages ongoing requests over before it decides."
+    )
     downscale_delay_s: float = Field(
         120.0, ge=0, description="How long load must stay low before scaling down."
     )

@@ -32,6 +32,9 @@ FLAG_SETTINGS = {
     "port": "server.port",
     "api_key": "server.api_key",
     "served_model_name": "server.served_model_name",
+    "min_replicas": "autoscaling.min_replicas",
+    "max_replicas": "autoscaling.max_replicas",
+    "replica_cpus": "autoscaling.replica_num_cpus",
 }
 
 
@@ -211,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, help="HTTP port (default: settings, 8000)")
     srv.add_argument("--api-key", help="require `Authorization: Bearer <key>` (default: settings, none)")
     srv.add_argument("--served-model-name", help="the model name clients send (default: the target's)")
+    srv.add_argument("--min-replicas", type=int, help="fewest engine replicas (default: settings, 1)")
+    srv.add_argument(
+        "--max-replicas", type=int, help="most engine replicas, added under load (default: settings, 1)"
+    )
+    srv.add_argument(
+        "--replica-cpus", type=float, help="CPUs each engine replica reserves in Ray (default: settings, 2)"
+    )
     srv.set_defaults(func=cmd_serve)
 
     calibrate = sub.add_parser("calibrate", help="calibrate a proposer for a model (stored with the model)")

@@ -45,6 +45,7 @@ def test_deployment_options_follow_settings() -> None:
         "target_ongoing_requests": 8.0,  # default: the slot count
         "upscale_delay_s": 10.0,
         "downscale_delay_s": 120.0,
+        "look_back_period_s": 30.0,
     }
     assert options["max_ongoing_requests"] == 8 + 2  # slots + a small waiting margin
     assert options["max_queued_requests"] == 64
@@ -57,6 +58,7 @@ def test_deployment_options_follow_settings() -> None:
             "target_ongoing_requests": 12,
             "upscale_delay_s": 1,
             "downscale_delay_s": 5,
+            "look_back_period_s": 2,
             "max_queued_requests": -1,
             "replica_num_cpus": 1.5,
         },
@@ -65,7 +67,8 @@ def test_deployment_options_follow_settings() -> None:
     scaling = options["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (0, 4)
     assert scaling["target_ongoing_requests"] == 12.0
-    assert (scaling["upscale_delay_s"], scaling["downscale_delay_s"]) == (1.0, 5.0)
+    delays = (scaling["upscale_delay_s"], scaling["downscale_delay_s"], scaling["look_back_period_s"])
+    assert delays == (1, 5, 2)
     assert options["max_ongoing_requests"] == 16 + 4
     assert options["max_queued_requests"] == -1
     assert options["ray_actor_options"] == {"num_cpus": 1.5}
@@ -82,6 +85,7 @@ def test_ingress_options_autoscale_and_take_what_the_engines_hold() -> None:
         "target_ongoing_requests": 64.0,
         "upscale_delay_s": 10.0,
         "downscale_delay_s": 120.0,
+        "look_back_period_s": 30.0,
     }
     assert ingress["ray_actor_options"] == {"num_cpus": 0}
     assert ingress["max_ongoing_requests"] == 1 * 10 + 64 + 32  # engine capacity + queue + margin
