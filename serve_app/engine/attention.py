@@ -6,6 +6,13 @@ import torch
 
 from serve_app.engine.invariance import RowPlan
 
+# The probability-weighted sum of values runs over keys in chunks of this many (the last one
+# zero-padded), added in order: a product's rounding may change with its number of keys (measured
+# on an AMX Xeon, float32: 288 keys and 320 keys of which the same 285 are visible give other
+# sums), and a decode step and a verify forward see different numbers of (masked) keys. With every
+# chunk the same size, the chunks past a query's last key add exact zeros.
+VALUE_CHUNK = 256
+
 
 def grouped_attention(
     q: torch.Tensor,  # [B, H, T, D]
@@ -57,5 +64,24 @@ def grouped_attention(
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values)  # [B, H_kv, rows, D]
+    out = _weighted_values(probs, values)  # [B, H_kv, rows, D]
     return out[:, :, :rows].reshape(bsz, heads, steps, dim)  # [B, H, T, D]
+
+
+def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``probs @ values`` over keys in ``VALUE_CHUNK`` chunks of one size, summed in order.
+
+    probs: [B, H_kv, rows, S]; values: [B, H_kv, S, D]. E.g. S = 300: keys 0..255, then 256..299
+    with 212 zero keys appended (probability 0, value 0)."""
+    width = probs.shape[-1]
+    out = None
+    for start in range(0, width, VALUE_CHUNK):
+        p, v = probs[..., start : start + VALUE_CHUNK], values[:, :, start : start + VALUE_CHUNK]
+        if p.shape[-1] < VALUE_CHUNK:
+            missing = VALUE_CHUNK - p.shape[-1]
+            p = torch.cat([p, p.new_zeros(*p.shape[:-1], missing)], dim=-1)
+            v = torch.cat([v, v.new_zeros(*v.shape[:2], missing, v.shape[-1])], dim=2)
+        part = torch.matmul(p, v)
+        out = part if out is None else out + part
+    assert out is not None, "attention over no keys"
+    return out

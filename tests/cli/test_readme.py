@@ -31,7 +31,10 @@ README = ROOT / "README.md"
 SMOLLM2 = "smollm2-135m-instruct"
 QWEN_GENERATE = [
     '.venv/bin/specserve generate --prompt "def quicksort(arr):" --max-tokens 128',
-    '.venv/bin/specserve generate --chat --prompt "Explain KV caches" --temperature 0.7 --seed 1 --max-tokens 256',
+    (
+        '.venv/bin/specserve generate --chat --prompt "Explain KV caches" --temperature 0.7 --seed 1 '
+        "--max-tokens 256"
+    ),
     '.venv/bin/specserve generate --prompt "def quicksort(arr):" --method draft --depth 6 --max-tokens 128',
     '.venv/bin/specserve generate --prompt "def quicksort(arr):" --method ngram --max-tokens 128',
 ]

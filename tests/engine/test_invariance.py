@@ -77,6 +77,23 @@ def test_linear_with_a_plan_runs_the_padded_count_and_slices() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_sees_the_same_sum_whatever_the_number_of_masked_keys_behind(dtype) -> None:
+    # A decode step at position 284 pads its keys to 288, a verify forward of 8 from there to 320
+    # (key_block 32): on an AMX Xeon one float32 product of probabilities and values summed those
+    # differently (a structured-output answer parted from plain decoding); in chunks it cannot.
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 12, 1, 64, generator=generator).to(dtype)  # 3 KV heads of 4 query rows
+    keys, values = (torch.randn(1, 3, 320, 64, generator=generator).to(dtype) for _ in "kv")
+    outs = [
+        grouped_attention(q, keys[:, :, :width], values[:, :, :width], None, 0.125, None, 32, 285)
+        for width in (288, 320)
+    ]
+    visible = torch.arange(320) < 285
+    wider = grouped_attention(q, keys, values, visible.view(1, 1, 1, 320), 0.125, None, 1, 320)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], wider)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_rows_do_not_depend_on_queries_or_padding_keys_once_padded(dtype) -> None:
     model = DecoderModel.from_hf_model(make_tiny_hf_model(300, layers=1), dtype=dtype)
     found = make_exact(model)

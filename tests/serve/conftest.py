@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 
@@ -22,6 +23,10 @@ def serve_http() -> Iterator[str]:
     from ray import serve
 
     port = free_port()
+    # Autoscaling sees load within a second (Ray's default pushes the handles' and replicas' counts
+    # every 10 s): the processes Ray starts inherit these (test_autoscaling_e2e).
+    for name in ("HANDLE", "REPLICA"):
+        os.environ.setdefault(f"RAY_SERVE_{name}_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     # Metrics reach a node's exporter (and GET /metrics) within a second, as `specserve serve` sets it.
     ray.init(
         address="local",
