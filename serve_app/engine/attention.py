@@ -45,7 +45,9 @@ def grouped_attention(
     if mask is not None:
         mask = mask.repeat(1, 1, group, 1)  # [B, 1, G T, S]
     if keys.shape[2] >= padded_width:
-        keys, values = keys[:, :, :padded_width], values[:, :, :padded_width]
+        # values may stay longer, up to whole VALUE_CHUNKs: rows the sum multiplies by 0 (no copy)
+        keys = keys[:, :, :padded_width]
+        values = values[:, :, : -(-padded_width // VALUE_CHUNK) * VALUE_CHUNK]
     else:
         keys, values = (
             torch.cat([t, t.new_zeros(bsz, kv_heads, padded_width - t.shape[2], dim)], dim=2)
@@ -71,17 +73,23 @@ def grouped_attention(
 def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``probs @ values`` over keys in ``VALUE_CHUNK`` chunks of one size, summed in order.
 
-    probs: [B, H_kv, rows, S]; values: [B, H_kv, S, D]. E.g. S = 300: keys 0..255, then 256..299
-    with 212 zero keys appended (probability 0, value 0)."""
-    width = probs.shape[-1]
-    out = None
-    for start in range(0, width, VALUE_CHUNK):
-        p, v = probs[..., start : start + VALUE_CHUNK], values[:, :, start : start + VALUE_CHUNK]
-        if p.shape[-1] < VALUE_CHUNK:
-            missing = VALUE_CHUNK - p.shape[-1]
-            p = torch.cat([p, p.new_zeros(*p.shape[:-1], missing)], dim=-1)
-            v = torch.cat([v, v.new_zeros(*v.shape[:2], missing, v.shape[-1])], dim=2)
-        part = torch.matmul(p, v)
-        out = part if out is None else out + part
-    assert out is not None, "attention over no keys"
+    probs: [B, H_kv, rows, S]; values: [B, H_kv, S'', D] with S'' >= S (rows past S are multiplied
+    by 0: finite cache rows serve as padding without a copy). E.g. S = 300: n = 2 chunks, keys
+    0..255 and 256..511 (probabilities past 299 are 0). One batched product makes the n partial
+    sums (each over exactly VALUE_CHUNK keys), then they are added one after another.
+    """
+    bsz, kv_heads, rows, width = probs.shape
+    chunks = -(-width // VALUE_CHUNK)
+    keys = chunks * VALUE_CHUNK
+    if width < keys:
+        probs = torch.cat([probs, probs.new_zeros(bsz, kv_heads, rows, keys - width)], dim=-1)
+    if values.shape[2] < keys:
+        dim = values.shape[-1]
+        values = torch.cat([values, values.new_zeros(bsz, kv_heads, keys - values.shape[2], dim)], dim=2)
+    p = probs.view(bsz, kv_heads, rows, chunks, VALUE_CHUNK).transpose(2, 3)  # [B, H_kv, n, rows, C]
+    v = values[:, :, :keys].reshape(bsz, kv_heads, chunks, VALUE_CHUNK, -1)  # [B, H_kv, n, C, D]
+    parts = torch.matmul(p, v)  # [B, H_kv, n, rows, D]
+    out = parts[:, :, 0]
+    for i in range(1, chunks):  # in order: a chunk of masked keys adds exact zeros
+        out = out + parts[:, :, i]
     return out

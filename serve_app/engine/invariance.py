@@ -137,13 +137,13 @@ def attention_agrees(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
-    contexts: tuple[int, ...] = (0, 5, 30, 100, 285, 700),
+    contexts: tuple[int, ...] = (0, 5, 30, 100, 250, 285, 700),
 ) -> bool:
     """Whether a query's attention output is the same alone (a plain decode step: no mask, the
     cache up to it) as among ``T`` queries of a verify forward with masked padding keys behind,
     for several cache lengths (small key counts take other kernel paths; around 285 keys a decode
     step and a verify forward of 16 pad to 288 and 320 keys, which summed values differently on an
-    AMX Xeon until ``attention.VALUE_CHUNK``).
+    AMX Xeon until ``attention.VALUE_CHUNK``; around 250 the count of value chunks changes).
 
     ``attend(q [B, H, T, D], keys [B, H_kv, S, D], values, mask [B, 1, T, S] | None, scale)``.
     """

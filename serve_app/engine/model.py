@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from serve_app.engine.attention import grouped_attention
+from serve_app.engine.attention import VALUE_CHUNK, grouped_attention
 from serve_app.engine.block_file import BLOCKS_FILE, blocks_path, read_blocks
 from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
@@ -135,7 +135,9 @@ class DecoderLayer:
         if steps <= SMALL_QUERY:
             # the keys' padding (a multiple of key_block) read from the cache itself, no copy
             padded = min(-(-batch.upto // self.key_block) * self.key_block, cache.max_seq_len)
-            keys, values = cache.read(index, batch, padded)  # [B, H_kv, S', D]
+            # values up to whole chunks of attention.VALUE_CHUNK rows (no copy for one row)
+            whole = min(-(-padded // VALUE_CHUNK) * VALUE_CHUNK, cache.max_seq_len)
+            keys, values = cache.read(index, batch, whole)  # [B, H_kv, S'', D]
             attn = grouped_attention(q, keys, values, mask, self.scale, plans[ATTENTION], self.key_block,
                                       batch.upto)  # fmt: skip
         else:

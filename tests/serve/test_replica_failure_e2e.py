@@ -25,6 +25,7 @@ from tests.serve.test_autoscaling_e2e import running_replicas, wait_for
 APP = "specserve-replica-failure-e2e"
 MODEL = "smollm2-chaos"
 SLOTS = 2
+PER_REPLICA = SLOTS + 2  # max_ongoing_requests: the slots and a waiting margin (app.deployment_options)
 LONG = 200  # tokens of each long stream
 
 
@@ -74,11 +75,13 @@ def long_stream(client: openai.OpenAI, results: list, index: int) -> None:
 def test_a_killed_replica_fails_only_what_it_ran_and_is_replaced(client: openai.OpenAI) -> None:
     wait_for(lambda: running_replicas(APP) == 2, 120, "two replicas")
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
-    streams: list = [None] * (2 * SLOTS)  # the router spreads them over both replicas' slots
+    # As many streams as both replicas take at once: the router gives each replica at most
+    # PER_REPLICA, so whichever replica dies had streams.
+    streams: list = [None] * (2 * PER_REPLICA)
     threads = [threading.Thread(target=long_stream, args=(client, streams, i)) for i in range(len(streams))]
     for thread in threads:
         thread.start()
-    time.sleep(4)  # every stream has started decoding
+    time.sleep(4)  # every stream has reached its replica
     victim = engine_replica_actors()[0]
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     killed_at = time.monotonic()
@@ -87,7 +90,7 @@ def test_a_killed_replica_fails_only_what_it_ran_and_is_replaced(client: openai.
     assert not any(thread.is_alive() for thread in threads), "a stream hung after the kill"
     errors = [s[1] for s in streams if s[0] == "error"]
     assert all(s == ("done", LONG) for s in streams if s[0] == "done"), streams
-    assert 1 <= len(errors) <= SLOTS, streams  # the victim's streams, and only those
+    assert 1 <= len(errors) <= PER_REPLICA, streams  # the victim's streams, and only those
     for error in errors:
         assert isinstance(error.body, dict) and error.body.get("code") == "engine_unavailable", error.body
     # Once the router has dropped the dead replica, requests succeed (the survivor, then both).
