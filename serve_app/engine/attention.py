@@ -8,7 +8,7 @@ from serve_app.engine.invariance import RowPlan
 
 # The probability-weighted sum of values runs over keys in chunks of this many (the last one
 # zero-padded), added in order: a product's rounding may change with its number of keys (measured
-# on an AMX Xeon, float32: 288 keys and 320 keys of which the same 285 are visible give other
+# on an AVX-512 BF16 EPYC, float32: 288 keys and 320 keys of which the same 285 are visible give other
 # sums), and a decode step and a verify forward see different numbers of (masked) keys. With every
 # chunk the same size, the chunks past a query's last key add exact zeros.
 VALUE_CHUNK = 256

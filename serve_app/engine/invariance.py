@@ -11,9 +11,9 @@ where a kernel may pick another blocking, and so another rounding, for another r
 - AVX2-only EPYC: bf16 agrees at every row count (no native bf16 kernel: one generic path);
   float32 ``F.linear`` agrees only at multiples of 4 below 12, and at every count from 12;
   oneDNN-prepacked float32 disagrees at 1 row only.
-- AMX Xeon (AVX-512 BF16 + AMX): bf16 oneDNN prepacked rounds the 1-row product differently, as on
-  the EPYC, but on some shapes in only ~1 output element of 7000 (SmolLM2's 576x1536; every kind of
-  Qwen 1.5B's shows it once enough elements are compared).
+- A second AVX-512 BF16 EPYC (VNNI, VP2INTERSECT; no AMX): bf16 oneDNN prepacked rounds the 1-row
+  product differently too, but on some shapes in only ~1 output element of 7000 (SmolLM2's
+  576x1536; every kind of Qwen 1.5B's shows it once enough elements are compared).
 
 So nothing is assumed: :func:`probe_rows` runs a product at every row count up to
 ``PROBE_ROWS`` (on enough windows of random rows to compare ``PROBE_ELEMENTS`` outputs per count,
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 PROBE_ROWS = 16  # row counts probed (against 32); wider products are taken as invariant (the tail held)
-# Output elements compared per row count. Measured on an AMX Xeon (bf16, 2 threads): SmolLM2's
+# Output elements compared per row count. Measured on an AVX-512 BF16 EPYC (bf16, 2 threads): SmolLM2's
 # 576x1536 down product rounds 1 element in ~7000 differently alone than among 2+ rows, so two
 # 32-row inputs (1152 elements at 1 row) missed it and speculation parted from plain decoding;
 # 2^17 elements find such a kernel with ~18 differing elements expected.
@@ -143,7 +143,7 @@ def attention_agrees(
     cache up to it) as among ``T`` queries of a verify forward with masked padding keys behind,
     for several cache lengths (small key counts take other kernel paths; around 285 keys a decode
     step and a verify forward of 16 pad to 288 and 320 keys, which summed values differently on an
-    AMX Xeon until ``attention.VALUE_CHUNK``; around 250 the count of value chunks changes).
+    AVX-512 BF16 EPYC until ``attention.VALUE_CHUNK``; around 250 the count of value chunks changes).
 
     ``attend(q [B, H, T, D], keys [B, H_kv, S, D], values, mask [B, 1, T, S] | None, scale)``.
     """

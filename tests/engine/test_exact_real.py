@@ -98,7 +98,7 @@ def test_a_request_alone_equals_it_beside_seven_others(smollm2, prompts, params)
 
 
 def test_a_rare_one_row_rounding_does_not_part_speculation_from_plain(smollm2) -> None:
-    # The regression of the probe's power (engine.invariance, PROBE_ELEMENTS): on an AMX Xeon
+    # The regression of the probe's power (engine.invariance, PROBE_ELEMENTS): on an AVX-512 BF16 EPYC
     # SmolLM2's 576x1536 product rounds ~1 output in 7000 differently at 1 row; a probe of 1152
     # elements missed it, and these two prompts parted from plain decoding at tokens 12 and 28
     # with self drafting and n-gram lookup.

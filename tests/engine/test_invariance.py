@@ -32,7 +32,7 @@ def test_probe_finds_the_agreeing_counts() -> None:
 
 
 def test_the_probe_finds_a_rounding_that_shows_in_one_element_of_thousands() -> None:
-    # Like oneDNN's bf16 1-row product on an AMX Xeon: alone, a row rounds about one output in
+    # Like oneDNN's bf16 1-row product on an AVX-512 BF16 EPYC: alone, a row rounds about one output in
     # 1024 differently (which ones depends on the values), among others never.
     weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
 
@@ -79,7 +79,7 @@ def test_linear_with_a_plan_runs_the_padded_count_and_slices() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_query_sees_the_same_sum_whatever_the_number_of_masked_keys_behind(dtype) -> None:
     # A decode step at position 284 pads its keys to 288, a verify forward of 8 from there to 320
-    # (key_block 32): on an AMX Xeon one float32 product of probabilities and values summed those
+    # (key_block 32): on an AVX-512 BF16 EPYC one float32 product of probabilities and values summed those
     # differently (a structured-output answer parted from plain decoding); in chunks it cannot.
     generator = torch.Generator().manual_seed(5)
     q = torch.randn(1, 12, 1, 64, generator=generator).to(dtype)  # 3 KV heads of 4 query rows

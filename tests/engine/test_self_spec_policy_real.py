@@ -6,7 +6,7 @@ model a self draft step costs most of a plain step (BENCHMARKS.md, skip curve), 
 leaves speculation to the server ("auto") must not keep drafting with ``self`` where it loses (plain or
 the free n-gram proposer instead), and its output must still be plain decoding's, token for token.
 
-On this machine (AMX Xeon) a 5-token forward of this tiny model costs about what a 1-token one does,
+On this machine (AVX-512 BF16 EPYC) a 5-token forward of this tiny model costs about what a 1-token one does,
 so a self draft (0.85-0.95 of a plain step) can pay where it is always accepted (repeated code), and
 goodput rightly takes it there. So the test asks: either self is rare (<= 10% of steps), or the self
 steps taken paid for themselves by the replica's own cost model (within 10%: exploration steps
