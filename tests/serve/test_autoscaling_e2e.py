@@ -26,24 +26,24 @@ MODEL = "smollm2-autoscaling"
 SLOTS = 2
 
 
-@pytest.fixture(scope="module")
-def client(smollm2_path, serve_http: str) -> Iterator[openai.OpenAI]:
-    args = {
-        "model": {"target": str(smollm2_path), "draft": None},
+def small_replicas(pack: object, model: str, autoscaling: dict) -> dict:
+    """``build_app`` arguments: SmolLM2 replicas of 1 thread and 1 CPU each (two fit the test
+    cluster), SLOTS slots, prompt lookup, float32."""
+    return {
+        "model": {"target": str(pack), "draft": None},
         "runtime": {"dtype": "float32", "threads": 1},
         "cache": {"max_slots": SLOTS, "max_seq_len": 1024},
         "speculation": {"method": "ngram", "depth": 4, "policy": "static"},
-        "server": {"served_model_name": MODEL},
-        "autoscaling": {
-            "min_replicas": 1,
-            "max_replicas": 2,
-            "target_ongoing_requests": SLOTS,
-            "upscale_delay_s": 1,
-            "downscale_delay_s": 3,
-            "look_back_period_s": 2,
-            "replica_num_cpus": 1,
-        },
+        "server": {"served_model_name": model},
+        "autoscaling": {"replica_num_cpus": 1, **autoscaling},
     }
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_path, serve_http: str) -> Iterator[openai.OpenAI]:
+    scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": SLOTS, "upscale_delay_s": 1,
+               "downscale_delay_s": 3, "look_back_period_s": 2}  # fmt: skip
+    args = small_replicas(smollm2_path, MODEL, scaling)
     serve.run(build_app(args), name=APP, route_prefix="/")
     try:
         yield openai.OpenAI(base_url=f"{serve_http}/v1", api_key="unused", max_retries=0, timeout=300)

@@ -20,25 +20,17 @@ import ray
 from ray import serve
 
 from serve_app.app import ENGINE_DEPLOYMENT, build_app
-from tests.serve.test_autoscaling_e2e import running_replicas, wait_for
+from tests.serve.test_autoscaling_e2e import SLOTS, running_replicas, small_replicas, wait_for
 
 APP = "specserve-replica-failure-e2e"
 MODEL = "smollm2-chaos"
-SLOTS = 2
 PER_REPLICA = SLOTS + 2  # max_ongoing_requests: the slots and a waiting margin (app.deployment_options)
 LONG = 200  # tokens of each long stream
 
 
 @pytest.fixture(scope="module")
 def client(smollm2_path, serve_http: str) -> Iterator[openai.OpenAI]:
-    args = {
-        "model": {"target": str(smollm2_path), "draft": None},
-        "runtime": {"dtype": "float32", "threads": 1},
-        "cache": {"max_slots": SLOTS, "max_seq_len": 1024},
-        "speculation": {"method": "ngram", "depth": 4, "policy": "static"},
-        "server": {"served_model_name": MODEL},
-        "autoscaling": {"min_replicas": 2, "max_replicas": 2, "replica_num_cpus": 1},
-    }
+    args = small_replicas(smollm2_path, MODEL, {"min_replicas": 2, "max_replicas": 2})
     serve.run(build_app(args), name=APP, route_prefix="/")
     try:
         yield openai.OpenAI(base_url=f"{serve_http}/v1", api_key="unused", max_retries=0, timeout=120)
