@@ -119,16 +119,20 @@ class KVCache:
         self.k[layer][rows, :, batch.positions] = k.transpose(1, 2)
         self.v[layer][rows, :, batch.positions] = v.transpose(1, 2)
 
-    def read(self, layer: int, batch: CacheBatch, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the batch's slots up to row ``max(upto, width)``: ``[B, H_kv, S, D]``
-        each. Rows past ``upto`` hold earlier garbage or zeros (finite: the cache is zero-filled),
-        which attention uses as masked padding."""
+    def read(
+        self, layer: int, batch: CacheBatch, width: int = 0, value_width: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys of the batch's slots up to row ``max(upto, width)``, values up to
+        ``max(upto, value_width)`` (default: ``width``): ``[B, H_kv, S, D]`` each. Rows past
+        ``upto`` hold earlier garbage or zeros (finite: the cache is zero-filled), which attention
+        uses as masked padding."""
         upto = max(batch.upto, min(width, self.max_seq_len))
+        value_upto = upto if value_width is None else max(batch.upto, min(value_width, self.max_seq_len))
         if batch.positions is None:
             rows = slice(batch.slots[0], batch.slots[0] + 1)
-            return self.k[layer][rows, :, :upto], self.v[layer][rows, :, :upto]
+            return self.k[layer][rows, :, :upto], self.v[layer][rows, :, :value_upto]
         # Slice first so the gather copies only the rows in use.
         return (
             self.k[layer][:, :, :upto].index_select(0, batch.slot_index),
-            self.v[layer][:, :, :upto].index_select(0, batch.slot_index),
+            self.v[layer][:, :, :value_upto].index_select(0, batch.slot_index),
         )

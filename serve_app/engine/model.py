@@ -137,7 +137,7 @@ class DecoderLayer:
             padded = min(-(-batch.upto // self.key_block) * self.key_block, cache.max_seq_len)
             # values up to whole chunks of attention.VALUE_CHUNK rows (no copy for one row)
             whole = min(-(-padded // VALUE_CHUNK) * VALUE_CHUNK, cache.max_seq_len)
-            keys, values = cache.read(index, batch, whole)  # [B, H_kv, S'', D]
+            keys, values = cache.read(index, batch, padded, whole)  # [B, H_kv, S', D], [B, H_kv, S'', D]
             attn = grouped_attention(q, keys, values, mask, self.scale, plans[ATTENTION], self.key_block,
                                       batch.upto)  # fmt: skip
         else:
