@@ -11,12 +11,7 @@ port. Without a reachable Redis (or ``redis-server`` binary) the tests skip, and
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import threading
 import time
 import uuid
@@ -28,31 +23,11 @@ import redis
 
 from serve_app.config import Settings, StatsSettings
 from serve_app.observability.shared_stats import AcceptanceCounts, AcceptanceKey, SharedStats, position_counts
+from tests.serve.redis_server import RedisServer, free_port, own_redis_server, unavailable, wait_for
 
 CI_REDIS_URL = "redis://127.0.0.1:6379/0"
 PAIR = "qwen2.5-coder-1.5b-instruct|qwen2.5-coder-0.5b-instruct"
 KEY = AcceptanceKey(PAIR, "draft", "code")
-
-
-def unavailable(message: str) -> None:
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(message)
-    pytest.skip(message)
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class FakeClock:
@@ -214,56 +189,10 @@ def test_get_cost_model_when_redis_is_down() -> None:
     stats.close()
 
 
-class RedisServer:
-    """A throwaway ``redis-server`` (nothing on disk) that can be hung, killed and restarted."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen(
-            ["redis-server", *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
-        try:
-            if not wait_for(lambda: self._ping(client), timeout=10.0, interval=0.02):
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-        finally:
-            client.close()
-
-    @staticmethod
-    def _ping(client: redis.Redis) -> bool:
-        try:
-            return bool(client.ping())
-        except redis.RedisError:
-            return False
-
-    def hang(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        unavailable("redis-server is not on PATH (needed to kill and restart a Redis in the outage test)")
-    server = RedisServer(free_port())
-    server.start()
-    try:
+    with own_redis_server() as server:
         yield server
-    finally:
-        server.kill()
 
 
 class ServingLoop(threading.Thread):
