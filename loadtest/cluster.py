@@ -73,8 +73,14 @@ class LocalCluster:
         self.address = ""
 
     def __enter__(self) -> LocalCluster:
+        import os
+
         import ray
 
+        # Serve's handles and replicas push their load figures every 10 s by default: a scaling
+        # decision would lag a cell of a few minutes by that much (the processes Ray starts inherit it).
+        for name in ("HANDLE", "REPLICA"):
+            os.environ.setdefault(f"RAY_SERVE_{name}_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
         ray.init(
             address="local",
             num_cpus=self.num_cpus,

@@ -20,6 +20,9 @@ request is also one JSON line in ``--records`` (``loadtest.streaming.RequestReco
 tokens and the server's ``speculation`` block), which the matrix runner reads; at the end a
 per-workload summary (tokens, acceptance) is printed.
 
+With ``LOADTEST_RAMP=peak,duration`` in the environment (``specserve loadtest --ramp``) a shape
+class drives the number of users over time instead of ``-u`` and ``-t`` (``loadtest.ramp``).
+
 ``--max-requests N`` bounds the run by request count: users stop starting requests after N and the
 run quits when the last one finishes. ``--stop-timeout`` lets requests running at the end of
 ``-t`` finish, so every token the server generated is counted by the client too.
@@ -34,10 +37,11 @@ from typing import IO, Any
 
 import gevent
 import requests
-from locust import User, events, task
+from locust import LoadTestShape, User, events, task
 from locust.env import Environment
 from locust.exception import StopUser
 
+from loadtest.ramp import ramp_from_environment, users_at
 from loadtest.streaming import RequestRecord, stream_chat
 from loadtest.workloads import USER_CLASSES, Conversation, Workload, load_workloads
 
@@ -217,3 +221,15 @@ class BulkUser(_LLMUser):
 
 class MixedUser(_LLMUser):
     workload_names = USER_CLASSES["MixedUser"]
+
+
+_RAMP = ramp_from_environment()
+if _RAMP is not None:  # only then: Locust uses any shape class it finds in the locustfile
+
+    class RampShape(LoadTestShape):
+        """``loadtest.ramp``'s users over time (``specserve loadtest --ramp``); replaces ``-u``/``-t``."""
+
+        def tick(self) -> tuple[int, float] | None:
+            peak, duration = _RAMP
+            users = users_at(self.get_run_time(), peak, duration)
+            return None if users is None else (users, float(peak))

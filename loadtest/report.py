@@ -163,6 +163,11 @@ def write_report(
         f"- each cell: a fresh `specserve serve`, {meta.get('warmup')} warm-up request(s), then Locust for "
         f"{meta.get('run_time_s')} s (at most {meta.get('max_requests') or 'unbounded'} requests; running "
         f"requests finish), seed {meta.get('seed')}; max_tokens cap {meta.get('max_tokens') or 'none'}",
+        *(
+            ["- users: a ramp per cell, from 1 up to the cell's users and back (`loadtest.ramp`)"]
+            if meta.get("ramp")
+            else []
+        ),
         f"- price: {meta.get('price')} USD per replica-hour (settings `loadtest.replica_hour_price`)",
         f"- wall time of the matrix: {meta.get('wall_s', 0) / 60:.1f} min",
         "",

@@ -32,76 +32,19 @@ import requests
 
 from loadtest import analysis
 from loadtest.cluster import LocalCluster, ReplicaSampler, counter_delta, free_port
+from loadtest.matrix_arguments import FIRST_POLICIES, add_arguments  # noqa: F401 (the CLI's flags)
 from loadtest.progress import Progress
+from loadtest.ramp import ramp_environment
 from loadtest.server import ServerError, ServerProcess
 from loadtest.streaming import RequestRecord
 from loadtest.timeline import SpeculationTimeline
-from loadtest.workloads import MIXES, Conversation, load_workloads, mix_classes, mix_workloads
-from policies.registry import DEFAULT_POLICY, FIXED_POLICY, PLAIN_POLICY
+from loadtest.workloads import Conversation, load_workloads, mix_classes, mix_workloads
+from policies.registry import FIXED_POLICY
 from serve_app.app import APP_NAME
-from serve_app.config import OFF, Settings, build_settings
-from serve_app.engine.proposers.registry import registered_proposers
+from serve_app.config import Settings, build_settings
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
-FIRST_POLICIES = (PLAIN_POLICY, FIXED_POLICY, DEFAULT_POLICY)  # then every other registered policy
-STATIC_DEPTH = 4  # the best fixed draft depth in BENCHMARKS.md (Qwen pair, draft model)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``specserve loadtest`` flags (defaults: the full matrix on the settings' models)."""
-    p.add_argument("--model", help="target model (default: settings)")
-    p.add_argument("--draft", dest="draft_model", help="draft model (default: settings)")
-    p.add_argument(
-        "--method", choices=[OFF, *registered_proposers()], help="proposer for 'auto' (default: settings)"
-    )
-    p.add_argument(
-        "--policies",
-        nargs="+",
-        help=f"policies (default: {' '.join(FIRST_POLICIES)}, then every other registered)",
-    )
-    p.add_argument(
-        "--users", nargs="+", type=int, default=[1, 4, 16, 32], help="load levels (default: 1 4 16 32)"
-    )
-    p.add_argument(
-        "--mixes", nargs="+", default=["mixed"], choices=sorted(MIXES), help="workload mixes (default: mixed)"
-    )
-    p.add_argument("--run-time", type=float, default=90.0, help="seconds of load per cell (default: 90)")
-    p.add_argument(
-        "--max-requests", type=int, default=500, help="at most this many requests per cell (0: no bound)"
-    )
-    p.add_argument(
-        "--stop-timeout",
-        type=float,
-        default=240.0,
-        help="seconds requests running at the end of --run-time may take to finish (default: 240)",
-    )
-    p.add_argument("--warmup", type=int, default=1, help="warm-up rounds (one request per workload) per cell")
-    p.add_argument("--max-tokens", type=int, default=0, help="cap every workload's max_tokens (0: no cap)")
-    p.add_argument(
-        "--static-depth",
-        type=int,
-        default=STATIC_DEPTH,
-        help=f"depth of the fixed-depth policy {FIXED_POLICY!r} (default: 4)",
-    )
-    p.add_argument(
-        "--policy-params",
-        action="append",
-        default=[],
-        metavar="POLICY=JSON",
-        help='params of one policy, e.g. \'batch-threshold={"table": {"1": 6, "8": 2}}\'',
-    )
-    p.add_argument("--slots", type=int, help="KV slots per replica (default: settings)")
-    p.add_argument(
-        "--price", type=float, help="USD per replica-hour (default: settings loadtest.replica_hour_price)"
-    )
-    p.add_argument(
-        "--until-saturation", action="store_true", help="skip a policy's higher loads once saturated"
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of prompt choice and sampling")
-    p.add_argument("--cpus", type=int, help="CPUs of the local Ray cluster (default: the machine's)")
-    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
-    p.add_argument("--out", default=str(REPO / "loadtest" / "results"), help="results root folder")
 
 
 def _policies(args: argparse.Namespace) -> list[str]:
@@ -135,6 +78,8 @@ def cell_settings(
         "model.draft": args.draft_model,
         "speculation.method": args.method,
         "cache.max_slots": args.slots,
+        "autoscaling.min_replicas": args.min_replicas,
+        "autoscaling.max_replicas": args.max_replicas,
         "speculation.depth": args.static_depth if policy == FIXED_POLICY else None,
     }
     overrides = {key: value for key, value in overrides.items() if value is not None}
@@ -211,6 +156,8 @@ def _run_locust(
         *mix_classes(mix),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    if args.ramp:  # users from 1 up to this level and back over the run time (loadtest.ramp)
+        env.update(ramp_environment(users, args.run_time))
     limit = args.run_time + args.stop_timeout + 120
     started = time.monotonic()
     with open(folder / "locust.log", "wb") as log:
@@ -309,6 +256,7 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
         "dtype": probe["runtime"]["dtype"],
         "slots": probe["cache"]["max_slots"],
         "replicas": f"{probe['autoscaling']['min_replicas']}-{probe['autoscaling']['max_replicas']}",
+        "ramp": bool(args.ramp),
         "warmup": args.warmup * max(len(mix_workloads(m)) for m in args.mixes),
         "run_time_s": args.run_time,
         "max_requests": args.max_requests,

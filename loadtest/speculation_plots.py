@@ -4,7 +4,8 @@ Each cell's :class:`~loadtest.timeline.SpeculationTimeline` (the engine's own co
 every second from Ray's exporter) becomes, over a sliding window, the dashboard's speculation
 panels (``k8s/monitoring/dashboard.json``): acceptance rate and mean accepted length by proposer,
 acceptance by draft position, depth chosen beside batch size, tokens saved (accepted tokens/s)
-beside generated tokens/s, fallbacks to plain decoding, and replicas; x is seconds since the cell's
+beside generated tokens/s, fallbacks to plain decoding, and replicas with the requests running and
+waiting for a KV slot (the queue); x is seconds since the cell's
 first scrape.
 """
 
@@ -67,8 +68,13 @@ def plot_cell(rates: SpeculationRates, title: str, path: Path, window_s: float =
     share.plot(t, _values(rates.fallback_share), color="grey", linestyle="--")
     share.set_ylim(-0.02, 1.02)
     share.set_ylabel("share of request-steps")
-    panels[7].step(t, rates.replicas, where="post", label="running")
-    panels[7].set_title("replicas")
+    panels[7].step(t, rates.replicas, where="post", label="replicas", color="black")
+    panels[7].set_title("replicas; requests running and waiting (dashed)")
+    requests_axis = panels[7].twinx()  # requests: a different scale from the replica count
+    requests_axis.plot(t, rates.running, linestyle="--", color="tab:green", label="running")
+    requests_axis.plot(t, rates.waiting, linestyle="--", color="tab:red", label="waiting")
+    requests_axis.set_ylabel("requests")
+    requests_axis.legend(fontsize="small", loc="upper right")
     for i, ax in enumerate(panels):
         ax.grid(True, alpha=0.3)
         if i >= 4:

@@ -49,6 +49,10 @@ _QUANTITIES: dict[str, str] = {
     mn.BATCH_SIZE + "_count": BATCH_COUNT,
     mn.GENERATION_TOKENS + "_total": GENERATED,
 }
+# Gauges kept as they are at each scrape, summed over replicas (queue depth beside the replicas).
+RUNNING = "running"
+WAITING = "waiting"
+_GAUGES: dict[str, str] = {mn.NUM_RUNNING: RUNNING, mn.NUM_WAITING: WAITING}
 SEP = "|"  # a key is "quantity|proposer|position" (empty parts where a series has no such label)
 MAX_POINTS = 2048  # past this the series is thinned to every other point (about 34 min at 1 s)
 WINDOW_S = 5.0
@@ -79,11 +83,13 @@ def split_key(key: str) -> tuple[str, str, str]:
 
 @dataclass
 class TimelinePoint:
-    """One scrape: its time, the replicas running and every followed quantity's growth so far."""
+    """One scrape: its time, the replicas running, every followed quantity's growth so far and the
+    gauges' values (requests running and waiting for a KV slot, over all replicas)."""
 
     t: float  # time.time()
     replicas: int
     totals: dict[str, float]
+    gauges: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,7 +104,12 @@ class SpeculationTimeline:
     def observe(self, t: float, scrape: Mapping[tuple[str, str], float], replicas: int) -> None:
         """Add one scrape (``LocalCluster.scrape()``'s samples) taken at ``t`` with ``replicas`` running."""
         first = not self.points
+        gauges = dict.fromkeys(_GAUGES.values(), 0.0)
         for series, value in scrape.items():
+            gauge = _GAUGES.get(mn.from_ray_name(series[0]) or "")
+            if gauge is not None:
+                gauges[gauge] += value
+                continue
             key = series_key(*series)
             if key is None:
                 continue
@@ -110,19 +121,22 @@ class SpeculationTimeline:
             # A new series counts from 0; one that went down restarted and counts from 0 again.
             grown = value if last is None or value < last else value - last
             self._totals[key] = self._totals.get(key, 0.0) + grown
-        self.points.append(TimelinePoint(t, replicas, dict(self._totals)))
+        self.points.append(TimelinePoint(t, replicas, dict(self._totals), gauges))
         if len(self.points) > self.max_points:
             # Thin rather than drop the oldest: the plot keeps the whole cell, at half the resolution.
             self.points = self.points[:-1:2] + self.points[-1:]
 
     def to_dict(self) -> dict[str, Any]:
         """The points as JSON (``timeline.json`` in a cell's folder)."""
-        return {"points": [[p.t, p.replicas, p.totals] for p in self.points]}
+        return {"points": [[p.t, p.replicas, p.totals, p.gauges] for p in self.points]}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeculationTimeline:
         """The timeline :meth:`to_dict` wrote (only its points: it cannot observe further)."""
-        points = [TimelinePoint(float(t), int(n), dict(totals)) for t, n, totals in data.get("points", [])]
+        points = [
+            TimelinePoint(float(t), int(n), dict(totals), dict(rest[0]) if rest else {})
+            for t, n, totals, *rest in data.get("points", [])
+        ]
         return cls(points=points)
 
 
@@ -143,6 +157,8 @@ class SpeculationRates:
     fallback_share: list[float | None] = field(default_factory=list)  # of all decode request-steps
     generated_tokens_per_s: list[float] = field(default_factory=list)
     replicas: list[int] = field(default_factory=list)
+    running: list[float] = field(default_factory=list)  # requests holding a KV slot, all replicas
+    waiting: list[float] = field(default_factory=list)  # requests waiting for one (the queue)
 
     def empty(self) -> bool:
         """True when there is no window to show (fewer than two scrapes)."""
@@ -180,6 +196,8 @@ def speculation_rates(timeline: SpeculationTimeline, window_s: float = WINDOW_S)
         everyone = ("", *proposers)
         rates.t.append(now.t - times[0])
         rates.replicas.append(now.replicas)
+        rates.running.append(now.gauges.get(RUNNING, 0.0))
+        rates.waiting.append(now.gauges.get(WAITING, 0.0))
         rates.generated_tokens_per_s.append(sum(_grew(now, then, GENERATED, p) for p in everyone) / dt)
         batch = [sum(_grew(now, then, q, p) for p in everyone) for q in (BATCH_SUM, BATCH_COUNT)]
         rates.mean_batch_size.append(_ratio(*batch))

@@ -201,3 +201,17 @@ def test_every_speculation_series_of_the_dashboard_is_followed() -> None:
     assert names and "specserve:spec_decode_num_drafts_total" in names
     for name in names:
         assert series_key("ray_" + name.replace(":", "_", 1), tags("a", DRAFT)) is not None, name
+
+
+def test_running_and_waiting_requests_are_summed_over_replicas_at_each_scrape() -> None:
+    timeline = SpeculationTimeline()
+    waiting = lambda replica, n: f"ray_specserve_num_requests_waiting{tags(replica)} {n}\n"  # noqa: E731
+    timeline.observe(0.0, scrape(replica_text("a", DRAFT, 1), waiting("a", 5)), replicas=1)
+    two = scrape(replica_text("a", DRAFT, 2), waiting("a", 2), replica_text("b", DRAFT, 1), waiting("b", 1))
+    timeline.observe(1.0, two, replicas=2)
+    timeline.observe(2.0, scrape(replica_text("a", DRAFT, 3), waiting("a", 0)), replicas=1)
+    rates = speculation_rates(timeline)
+    assert rates.replicas == [2, 1]
+    assert rates.running == [6.0, 3.0]  # 3 per replica (replica_text), as each scrape had them
+    assert rates.waiting == [3.0, 0.0]  # gauges: the value at the scrape, never a growth
+    assert SpeculationTimeline.from_dict(json.loads(json.dumps(timeline.to_dict()))).points == timeline.points
