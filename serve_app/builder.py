@@ -177,6 +177,14 @@ def build_async_engine(settings: Settings, metrics_backend: str = "ray", tracer:
         if settings.speculation.profile_cost_model and policy_uses_cost_model(settings.speculation.policy):
             pair = model_pair(settings, engine.config.spec_method)
             share_cost_model(engine, stats, pair, threads, settings.store.cache_dir)
+        # Warm start: the first step plans from the cluster's acceptance (read while the models
+        # loaded; this waits only if that read is still under way), not from the cold guesses.
+        keys = stats.wait_for_cluster_view(timeout_s=4 * settings.stats.socket_timeout_s)
+        if settings.stats.redis_url is not None:
+            start = (
+                f"warm: {keys} acceptance keys from the cluster" if keys else "cold: no cluster statistics"
+            )
+            log.info("replica %s starts %s", replica, start)
         return engine
 
     name = served_model_name(settings)

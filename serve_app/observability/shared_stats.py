@@ -83,6 +83,7 @@ class SharedStats:
         self._cluster: dict[AcceptanceKey, AcceptanceCounts] = {}
         self._cluster_at: float | None = None  # monotonic time of the last successful refresh
 
+        self._first_look = threading.Event()  # the thread's first exchange with Redis is over
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -167,6 +168,16 @@ class SharedStats:
         (waiting at most about ``timeout_s``); None when there are none or Redis is down."""
         return self._costs.get(hardware, model, timeout_s)
 
+    def wait_for_cluster_view(self, timeout_s: float) -> int | None:
+        """Block until the background thread's first exchange with Redis is over (at most
+        ``timeout_s``): a new replica calls this before it serves, so that its first step plans
+        from the cluster's acceptance, not from a cold guess. The number of acceptance keys the
+        cluster had; None when there is no cluster view (local-only, Redis down, or too slow)."""
+        if self._link.client is None or self._thread is None:
+            return None
+        self._first_look.wait(timeout_s)
+        return len(self._cluster) if self._cluster_at is not None else None
+
     def start(self) -> None:
         """Start the background thread (local-only mode: nothing to do). Idempotent."""
         if self._link.client is None or self._thread is not None or self._closed:
@@ -220,6 +231,7 @@ class SharedStats:
                         self._refresh()
             except Exception:  # never let the thread die: the engine would lose shared stats silently
                 logger.exception("stats: unexpected error in the background thread")
+            self._first_look.set()  # connected and read, or failed: either way, waiting is over
             wake = min(next_flush, next_refresh) if link.connected else link.next_attempt
             self._stop.wait(min(max(wake - time.monotonic(), 0.005), 1.0))
 

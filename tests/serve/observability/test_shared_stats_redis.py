@@ -304,3 +304,25 @@ def test_outage_serving_goes_on_and_stats_resume(
     assert len(failures) >= 2
     assert sum(r.levelno >= logging.WARNING for r in failures) == 1
     assert sum("is back" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_new_replica_waits_for_its_first_view_of_the_cluster(replicas, own_redis: RedisServer) -> None:
+    a = replicas("a")
+    a.record(KEY, [3, 2], [2, 1], steps=3)
+    assert a.flush_now()
+    b = replicas("b")
+    b.start()
+    assert b.wait_for_cluster_view(timeout_s=5.0) == 1  # the one key a wrote, read before serving
+    assert b.counts(KEY).source == "cluster" and b.priors(KEY) == (2 / 3, 1 / 2)
+
+    assert SharedStats(StatsSettings(), "local").wait_for_cluster_view(timeout_s=5.0) is None  # no Redis
+    # A Redis that accepts connections but never answers: the wait ends with the first timeout.
+    own_redis.hang()
+    hung = SharedStats(StatsSettings(redis_url=own_redis.url, socket_timeout_s=0.2), "hung")
+    try:
+        hung.start()
+        started = time.monotonic()
+        assert hung.wait_for_cluster_view(timeout_s=10.0) is None
+        assert time.monotonic() - started < 5.0  # not the 10 s: the failed exchange ended it
+    finally:
+        hung.close()
