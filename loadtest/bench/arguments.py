@@ -93,4 +93,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure the weight formats' quality instead (perplexity and top-1 agreement with float32 "
         "on 8 x --max-tokens tokens of textwrap.py); see loadtest/bench/quality.py",
     )
+    parser.add_argument(
+        "--first-minute",
+        action="store_true",
+        help="measure a new replica's first minute instead, warm from Redis vs cold (--users requests at a "
+        "time, --max-tokens each; needs stats.redis_url); see loadtest/bench/first_minute.py",
+    )
+    parser.add_argument(
+        "--users", type=int, default=4, help="--first-minute: concurrent requests (default 4)"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=60.0, help="--first-minute: seconds measured per replica"
+    )
+    parser.add_argument(
+        "--fill-s", type=float, default=60.0, help="--first-minute: seconds the first replica fills Redis"
+    )
+    parser.add_argument("--window-s", type=float, default=10.0, help="--first-minute: the table's window")
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and Markdown results")
