@@ -13,9 +13,10 @@ Two deployments:
 
 - ``EngineDeployment``: one ``AsyncEngine`` (``serve_app.async_engine``) per replica. ``generate`` streams
   ``GenerateChunk``s (call it through ``handle.options(stream=True)``); ``info``, ``health`` and
-  ``stats`` (running/waiting requests, a debug view); ``check_health`` is Serve's health check and
-  raises when the engine loop died or is stuck, so Serve replaces the replica. Replica count,
-  concurrency and CPUs come from settings through :func:`deployment_options`.
+  ``stats`` (running/waiting requests, free KV slots, the process's RSS and threads: a debug view);
+  ``check_health`` is Serve's health check and raises when the engine loop died or is stuck, so
+  Serve replaces the replica. Replica count, concurrency and CPUs come from settings through
+  :func:`deployment_options`.
 - ``IngressDeployment``: the OpenAI-compatible FastAPI app of ``serve_app.api.routes.create_app``,
   built in the replica (``__serve_build_asgi_app__``) around a ``RayEngineClient``
   (``serve_app.handle_client``, which also says how cancellation crosses the handle); light
@@ -156,8 +157,15 @@ class EngineDeployment:
     async def detokenize(self, token_ids: list[int]) -> TokenizeResult:
         return await self.engine.detokenize(token_ids)
 
-    async def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+    async def stats(self, count_objects: bool = True) -> dict[str, Any]:
+        """A debug / test view of what this replica holds, to find leaks from outside: the engine's
+        load and KV slots as its loop thread last published them (``AsyncEngine.stats``: running,
+        waiting, free_slots, slots, requests, streams, aborts, ...) and the process's RSS, threads,
+        file descriptors and, unless ``count_objects`` is False, tracked Python objects
+        (``observability.replica_state.process_state``)."""
+        from serve_app.observability.replica_state import process_state
+
+        return {**self.engine.stats(), **process_state(count_objects)}
 
     def check_health(self) -> None:
         """Serve's health check: raising marks the replica unhealthy, and Serve replaces it."""

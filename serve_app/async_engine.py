@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from serve_app import tokenizing
 from serve_app.engine.scheduler import QueueFullError
 from serve_app.observability.metric_names import ENGINE_QUEUE_FULL
+from serve_app.observability.replica_state import EngineLoad
 from serve_app.observability.request_spans import RequestSpans
 from serve_app.request_stream import (
     RequestStream,
@@ -113,7 +114,7 @@ class AsyncEngine:
         self._busy_since: float | None = None
         self.steps = self.step_failures = self._consecutive_failures = 0
         self.aborts = 0  # requests aborted before they finished (consumer gone, time-out)
-        self._load = (0, 0)  # (running, waiting)
+        self._load = EngineLoad()  # replaced whole by the loop thread (replica_state explains why)
         self._dead: BaseException | None = None
         self._built = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(build,), name=LOOP_THREAD, daemon=True)
@@ -198,11 +199,9 @@ class AsyncEngine:
         return self._consecutive_failures < MAX_CONSECUTIVE_FAILURES
 
     def stats(self) -> dict[str, Any]:
-        """Load and liveness, as last published by the loop thread (a debug / test view)."""
-        running, waiting = self._load
+        """Load, KV slots and liveness, as last published by the loop thread (a debug / test view)."""
         return {
-            "running": running,
-            "waiting": waiting,
+            **self._load.as_dict(),  # running, waiting, free_slots, slots, requests, proposer_free_slots
             "streams": len(self._streams),
             "steps": self.steps,
             "step_failures": self.step_failures,
@@ -241,6 +240,7 @@ class AsyncEngine:
             set_threads(self._threads)
         try:
             self.engine = build() if build is not None else self.engine
+            self._publish_load()  # stats() shows the free slots from the start
         except BaseException as exc:
             self._dead = exc
             return
@@ -380,10 +380,9 @@ class AsyncEngine:
                 self._recorder.finished(stream, None, "error", time.perf_counter())
 
     def _publish_load(self) -> None:
-        scheduler = self.engine.scheduler
-        self._load = (scheduler.num_running, scheduler.num_waiting)
+        self._load = load = EngineLoad.of(self.engine)
         if self.metrics is not None:
-            self._recorder.load(*self._load, self.engine.cache.usage)
+            self._recorder.load(load.running, load.waiting, self.engine.cache.usage)
 
     def _fail_all(self, error: GenerateError) -> None:
         streams, self._streams = self._streams, {}

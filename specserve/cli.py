@@ -1,4 +1,4 @@
-"""`specserve`: generate, serve, policies, models, calibrate, bench, loadtest.
+"""`specserve`: generate, serve, policies, models, calibrate, bench, loadtest, soak.
 
 Each command turns its flags into settings overrides (``FLAG_SETTINGS``), builds ``Settings``
 through ``serve_app.config.build_settings`` (flags over environment over YAML over defaults), and
@@ -153,6 +153,12 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     return run_matrix(args, build_settings())
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    from loadtest.soak import run_soak
+
+    return run_soak(args, build_settings())
+
+
 def runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="pack name, local HF folder or hub id (default: settings)")
     p.add_argument(
@@ -177,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     from loadtest.bench.arguments import add_arguments as bench_arguments
     from loadtest.calibrate.command import add_arguments as calibrate_arguments
     from loadtest.run_matrix import add_arguments as loadtest_arguments
+    from loadtest.soak import add_arguments as soak_arguments
 
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -244,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     loadtest_arguments(loadtest)
     loadtest.set_defaults(func=cmd_loadtest)
+
+    soak = sub.add_parser(
+        "soak", help="many short requests with client cancels against one replica: nothing may leak"
+    )
+    soak_arguments(soak)
+    soak.set_defaults(func=cmd_soak)
     return parser
 
 
