@@ -32,7 +32,7 @@ import requests
 
 from loadtest import analysis
 from loadtest.cluster import LocalCluster, ReplicaSampler, counter_delta, free_port
-from loadtest.matrix_arguments import FIRST_POLICIES, add_arguments  # noqa: F401 (the CLI's flags)
+from loadtest.matrix_arguments import FIRST_POLICIES
 from loadtest.progress import Progress
 from loadtest.ramp import ramp_environment
 from loadtest.server import ServerError, ServerProcess

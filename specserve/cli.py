@@ -138,6 +138,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from loadtest.bench.schemes import compare_schemes
 
         return compare_schemes(args, settings_from(args))
+    if args.first_minute:
+        from loadtest.bench.first_minute import run_first_minute
+
+        return run_first_minute(args, settings_from(args))
     if args.policies:
         from loadtest.bench.policies import run_policy_bench
 
@@ -182,7 +186,7 @@ def speculation_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from loadtest.bench.arguments import add_arguments as bench_arguments
     from loadtest.calibrate.command import add_arguments as calibrate_arguments
-    from loadtest.run_matrix import add_arguments as loadtest_arguments
+    from loadtest.matrix_arguments import add_arguments as loadtest_arguments
     from loadtest.soak import add_arguments as soak_arguments
 
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
