@@ -34,6 +34,9 @@ BASELINE_POLICY = PLAIN_POLICY
 PERCENTILES = (50, 95, 99)
 
 
+REFUSAL_STATUSES = (429, 503)  # overload: the server refused at once and says when to retry
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (linear interpolation between closest ranks); None for no values."""
     if not values:
@@ -66,7 +69,9 @@ class CellResult:
     users: int
     mix: str
     requests: int = 0
-    failures: int = 0
+    failures: int = 0  # requests that failed, refusals (below) excepted
+    refused: int = 0  # overload: answered 429 / 503 before any output (the client may retry)
+    refusal_latency_s: dict[str, float | None] = field(default_factory=dict)
     window_s: float = 0.0
     output_tokens: int = 0
     tokens_per_s: float = 0.0
@@ -116,6 +121,11 @@ def locust_totals(path: Path) -> tuple[int, int]:
     return sum(int(e["num_requests"]) for e in entries), sum(int(e["total_content_length"]) for e in entries)
 
 
+def refused(record: RequestRecord) -> bool:
+    """Whether the server refused the request at once for overload (429 / 503, no output)."""
+    return not record.ok and record.status in REFUSAL_STATUSES and record.output_tokens == 0
+
+
 def _acceptance(records: Iterable[RequestRecord]) -> float | None:
     drafted = accepted = 0
     for r in records:
@@ -132,7 +142,8 @@ def _per_workload(records: list[RequestRecord], window: float) -> dict[str, dict
         tokens = sum(r.output_tokens for r in rows)
         table[name] = {
             "requests": len(rows),
-            "failures": len(rows) - len(ok),
+            "failures": sum(1 for r in rows if not r.ok and not refused(r)),
+            "refused": sum(1 for r in rows if refused(r)),
             "output_tokens": tokens,
             "tokens_per_s": tokens / window if window > 0 else 0.0,
             "acceptance": _acceptance(rows),
@@ -156,9 +167,12 @@ def cell_result(
         result.errors.append("no requests were recorded")
         return result
     ok = [r for r in records if r.ok]
+    refusals = [r for r in records if refused(r)]
     result.requests = len(records)
-    result.failures = len(records) - len(ok)
-    result.errors = sorted({r.error for r in records if r.error})[:10]
+    result.refused = len(refusals)
+    result.refusal_latency_s = _percentiles([r.latency_s for r in refusals])
+    result.failures = len(records) - len(ok) - len(refusals)
+    result.errors = sorted({r.error for r in records if r.error and not refused(r)})[:10]
     result.window_s = max(r.end for r in records) - min(r.start for r in records)
     result.output_tokens = sum(r.output_tokens for r in records)
     if result.window_s > 0:

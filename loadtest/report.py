@@ -110,7 +110,7 @@ def plot_mix(
 def _mix_section(mix: str, rows: list[CellResult], plots: list[str]) -> list[str]:
     out = [f"## Mix `{mix}`", ""]
     out += [
-        "| policy | users | requests (failed) | output tok/s | load-phase tok/s | vs plain | "
+        "| policy | users | requests (failed, refused) | output tok/s | load-phase tok/s | vs plain | "
         "latency p50/p95/p99 s | "
         "TTFT p50/p95/p99 s | TPOT p50/p95/p99 ms | acceptance client / server | replica-h | "
         "USD / 1M tok | savings vs plain |",
@@ -119,12 +119,18 @@ def _mix_section(mix: str, rows: list[CellResult], plots: list[str]) -> list[str
     for r in sorted(rows, key=lambda r: (r.users, _policies(rows).index(r.policy))):
         speedup = "-" if r.speedup_vs_plain is None else f"{r.speedup_vs_plain:.2f}x"
         out.append(
-            f"| {r.policy} | {r.users} | {r.requests} ({r.failures}) | {r.tokens_per_s:.2f} | "
+            f"| {r.policy} | {r.users} | {r.requests} ({r.failures}, {r.refused}) | {r.tokens_per_s:.2f} | "
             f"{_fmt(r.load_tokens_per_s)} | {speedup} | "
             f"{_triple(r.latency_s)} | {_triple(r.ttft_s)} | {_triple(r.tpot_s, 1000, 0)} | "
             f"{_pct(r.acceptance)} / {_pct(r.server_acceptance)} | {r.replica_seconds / 3600:.4f} | "
             f"{_fmt(r.cost_per_1m_tokens)} | {_pct(r.savings_vs_plain)} |"
         )
+    refusing = [r for r in rows if r.refused]
+    if refusing:
+        out += ["", "Overload: requests refused at once (429 / 503, before any output), and how fast.", ""]
+        out += ["| policy | users | refused | refusal latency p50/p95/p99 ms |", "|---|---|---|---|"]
+        for r in refusing:
+            out.append(f"| {r.policy} | {r.users} | {r.refused} | {_triple(r.refusal_latency_s, 1000, 0)} |")
     workloads = sorted({w for r in rows for w in r.per_workload})
     if workloads:
         out += ["", "Per workload: output tok/s / acceptance / TPOT p50 ms.", ""]

@@ -96,10 +96,12 @@ def records(
 
 def test_cell_figures_and_cost() -> None:
     rows = records("code", 10, 100, 10.0, drafted=40, accepted=30) + records("bulk", 5, 20, 2.0, start=1005.0)
-    rows.append(RequestRecord("bulk", 9, 1001.0, latency_s=1.0, status=503, error="HTTP 503: busy"))
+    rows.append(RequestRecord("bulk", 9, 1001.0, latency_s=0.02, status=503, error="HTTP 503: overloaded"))
+    rows.append(RequestRecord("bulk", 8, 1002.0, latency_s=1.0, status=500, error="HTTP 500: boom"))
     server = ServerCounters(generation_tokens=1100, draft_tokens=400, accepted_tokens=300, requests=15)
     cell = cell_result("static", 4, "mixed", rows, server, replica_seconds=38.0, replica_hour_price=0.36)
-    assert (cell.requests, cell.failures) == (16, 1)
+    assert (cell.requests, cell.failures, cell.refused) == (17, 1, 1)  # an overload refusal is no failure
+    assert cell.refusal_latency_s["p50"] == pytest.approx(0.02)
     assert cell.window_s == pytest.approx(1019.0 - 1000.0)
     assert cell.output_tokens == 1100 and cell.tokens_per_s == pytest.approx(1100 / 19)
     assert cell.latency_s["p50"] == 10.0 and cell.ttft_s["p99"] == pytest.approx(1.0)
@@ -107,7 +109,8 @@ def test_cell_figures_and_cost() -> None:
     assert cell.token_mismatch == 0
     assert cell.cost_per_1m_tokens == pytest.approx(38 / 3600 * 0.36 / 1100 * 1e6)
     assert cell.per_workload["code"]["acceptance"] == pytest.approx(0.75)
-    assert cell.per_workload["bulk"]["failures"] == 1 and cell.errors == ["HTTP 503: busy"]
+    assert cell.per_workload["bulk"]["failures"] == 1 and cell.per_workload["bulk"]["refused"] == 1
+    assert cell.errors == ["HTTP 500: boom"]
     empty = cell_result("plain", 1, "mixed", [], ServerCounters(), 0.0, 0.36)
     assert empty.errors and empty.cost_per_1m_tokens is None
 
@@ -148,3 +151,13 @@ def test_report_has_tables_and_plots(tmp_path: Path) -> None:
     for name in ("throughput_mixed.png", "cost_mixed.png", "latency_cdf_mixed.png"):
         assert (tmp_path / name).stat().st_size > 1000
         assert f"![{name}]({name})" in report
+
+
+def test_the_report_shows_refusals_and_how_fast_they_came(tmp_path: Path) -> None:
+    rows = records("code", 4, 50, 5.0)
+    rows += [RequestRecord("code", 9, 1001.0 + i, latency_s=0.01 * (i + 1), status=503, error="HTTP 503: x")
+             for i in range(3)]  # fmt: skip
+    cell = cell_result("plain", 32, "mixed", rows, ServerCounters(generation_tokens=200), 10.0, 0.15)
+    report = write_report(tmp_path, [cell], {("plain", 32, "mixed"): rows}, {"price": 0.15}).read_text()
+    assert "| plain | 32 | 7 (0, 3) |" in report
+    assert "| plain | 32 | 3 | 20 / 29 / 30 |" in report  # refusal latency p50 / p95 / p99 in ms
