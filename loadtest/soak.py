@@ -191,6 +191,9 @@ def run_soak(args: argparse.Namespace, base: Settings) -> int:
         except ServerError as exc:
             print(f"[soak] {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # the server is stopped on the way out; say so, not silently
+            print(f"\n[soak] interrupted; the server was stopped ({folder / 'server.log'})", flush=True)
+            return 130
     runtime, speculation = settings["runtime"], settings["speculation"]
     report["meta"] = {
         "started": stamp, "command": "specserve " + shlex.join(sys.argv[1:]),
