@@ -157,12 +157,12 @@ class EngineDeployment:
     async def detokenize(self, token_ids: list[int]) -> TokenizeResult:
         return await self.engine.detokenize(token_ids)
 
-    async def stats(self, count_objects: bool = True) -> dict[str, Any]:
+    async def stats(self, count_objects: bool = False) -> dict[str, Any]:
         """A debug / test view of what this replica holds, to find leaks from outside: the engine's
         load and KV slots as its loop thread last published them (``AsyncEngine.stats``: running,
         waiting, free_slots, slots, requests, streams, aborts, ...) and the process's RSS, threads,
-        file descriptors and, unless ``count_objects`` is False, tracked Python objects
-        (``observability.replica_state.process_state``)."""
+        file descriptors and, with ``count_objects`` (a full garbage collection first: not for a
+        tight polling loop), tracked Python objects (``observability.replica_state.process_state``)."""
         from serve_app.observability.replica_state import process_state
 
         return {**self.engine.stats(), **process_state(count_objects)}
