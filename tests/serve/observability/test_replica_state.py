@@ -73,8 +73,10 @@ def test_process_state_counts_what_is_kept_alive() -> None:
     state = process_state()
     assert state["rss_bytes"] > 10 * 1024 * 1024 and state["peak_rss_bytes"] >= state["rss_bytes"]
     assert 1 <= state["threads"] <= state["os_threads"] and state["open_fds"] > 0
-    kept = [[i] for i in range(20_000)]  # 20,000 tracked containers, as a leak would keep them
+    kept = [[i] for i in range(200_000)]  # tracked containers, as a leak would keep them
     grown = process_state()
-    assert grown["gc_objects"] - state["gc_objects"] >= len(kept)
+    # Other threads of the test process (a Ray session's, earlier tests') make and free objects of
+    # their own between the two counts (~15,000 seen in the full suite): the kept ones dominate.
+    assert grown["gc_objects"] - state["gc_objects"] >= 0.75 * len(kept)
     assert process_state(count_objects=False)["gc_objects"] is None
     del kept
