@@ -85,8 +85,9 @@ ELSEWHERE = {
     "curl -s http://127.0.0.1:8000/metrics | grep '^specserve:num_requests_running'": AUTOSCALED,
     (
         "SPECSERVE_AUTOSCALING__UPSCALE_DELAY_S=5 SPECSERVE_AUTOSCALING__DOWNSCALE_DELAY_S=15 "
-        "SPECSERVE_AUTOSCALING__REPLICA_NUM_CPUS=1 .venv/bin/specserve loadtest --model smollm2-135m-instruct "
-        "--policies plain goodput --users 8 --ramp --max-replicas 2 --run-time 240"
+        "SPECSERVE_AUTOSCALING__REPLICA_NUM_CPUS=1 .venv/bin/specserve loadtest "
+        "--model smollm2-135m-instruct --policies plain goodput --users 8 --ramp --max-replicas 2 "
+        "--run-time 240"
     ): "tests/loadtest/test_ramp_e2e.py (the same on one policy, 6 users, 75 s, second-long delays)",
     ".venv/bin/specserve loadtest [--policies ...] [--users 1 4 16 32] [--mixes mixed] [--run-time 90]": (
         "tests/loadtest/test_smoke.py (an instance on SmolLM2: two policies, one load level, seconds)"
