@@ -31,6 +31,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -177,8 +178,20 @@ def run_soak(args: argparse.Namespace, base: Settings) -> int:
     settings = soak_settings(base, args)
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H-%M-%SZ")
     folder = Path(args.out) / f"soak-{stamp}"
-    scaling = settings["autoscaling"]
+    scaling, runtime, speculation = settings["autoscaling"], settings["runtime"], settings["speculation"]
     cpus = args.cpus or max(os.cpu_count() or 1, math.ceil(scaling["replica_num_cpus"]))
+    meta = {
+        "started": stamp, "command": "specserve " + shlex.join(sys.argv[1:]),
+        "target": settings["model"]["target"], "method": speculation["method"],
+        "policy": speculation["policy"], "dtype": runtime["dtype"], "weight_format": runtime["weight_format"],
+        "threads": runtime["threads"], "slots": settings["cache"]["max_slots"], "requests": args.requests,
+        "concurrency": args.concurrency, "cancel_fraction": args.cancel_fraction,
+        "max_tokens": args.max_tokens, "warmup": args.warmup, "seed": args.seed, "cpus": cpus,
+    }  # fmt: skip
+
+    def save(report: dict[str, Any]) -> None:  # after every reading: a stopped soak keeps its figures
+        (folder / "soak.json").write_text(json.dumps({"meta": meta, **report}, indent=2))
+
     progress = SoakProgress()
     print(f"[soak] {args.requests} requests, {args.concurrency} in flight, {args.cancel_fraction:.0%} "
           f"cancelled, {args.max_tokens} tokens each -> {folder}", flush=True)  # fmt: skip
@@ -186,7 +199,7 @@ def run_soak(args: argparse.Namespace, base: Settings) -> int:
         progress.start("starting specserve serve (one engine replica)")
         try:
             with ServerProcess(settings, folder, cluster.address, args.start_timeout) as server:
-                report = _soak(args, server, Replica(), progress)
+                report = _soak(args, server, Replica(), progress, save)
                 progress.start("stopping the server")
         except ServerError as exc:
             print(f"[soak] {exc}", file=sys.stderr)
@@ -194,21 +207,18 @@ def run_soak(args: argparse.Namespace, base: Settings) -> int:
         except KeyboardInterrupt:  # the server is stopped on the way out; say so, not silently
             print(f"\n[soak] interrupted; the server was stopped ({folder / 'server.log'})", flush=True)
             return 130
-    runtime, speculation = settings["runtime"], settings["speculation"]
-    report["meta"] = {
-        "started": stamp, "command": "specserve " + shlex.join(sys.argv[1:]),
-        "target": settings["model"]["target"], "method": speculation["method"],
-        "policy": speculation["policy"], "dtype": runtime["dtype"], "weight_format": runtime["weight_format"],
-        "threads": runtime["threads"], "slots": settings["cache"]["max_slots"],
-        "concurrency": args.concurrency, "cancel_fraction": args.cancel_fraction,
-        "max_tokens": args.max_tokens, "warmup": args.warmup, "seed": args.seed, "cpus": cpus,
-    }  # fmt: skip
-    (folder / "soak.json").write_text(json.dumps(report, indent=2))
+    save(report)
     print(describe(report), flush=True)
     return 1 if report["problems"] else 0
 
 
-def _soak(args: argparse.Namespace, server: ServerProcess, replica: Replica, progress: SoakProgress) -> dict:
+def _soak(
+    args: argparse.Namespace,
+    server: ServerProcess,
+    replica: Replica,
+    progress: SoakProgress,
+    save: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
     model = server.model()
     progress.start(f"ready after {server.startup_s:.0f} s; calibrating the cancel window")
 
@@ -243,6 +253,8 @@ def _soak(args: argparse.Namespace, server: ServerProcess, replica: Replica, pro
         for outcome in done:
             tally.add(outcome)
         states[name] = replica.settled(args.settle_timeout)
+        partial = {"soak": summarize(outcomes, wall), "cancel_window_s": window, "states": states}
+        save({"complete": False, **partial})
     progress.start(f"idle {args.idle:g} s")
     time.sleep(args.idle)
     states["idle"] = replica.state(count_objects=True)
@@ -253,5 +265,5 @@ def _soak(args: argparse.Namespace, server: ServerProcess, replica: Replica, pro
         f.writelines(json.dumps(asdict(o)) + "\n" for o in outcomes)
     summary = summarize(outcomes, wall)
     summary["errors"] = tally.errors
-    return {"soak": summary, "cancel_window_s": window, "states": states, "limits": asdict(limits),
-            "problems": problems}  # fmt: skip
+    return {"complete": True, "soak": summary, "cancel_window_s": window, "states": states,
+            "limits": asdict(limits), "problems": problems}  # fmt: skip
