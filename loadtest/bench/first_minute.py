@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -46,6 +47,14 @@ class Window:
     accepted: int = 0
     spec_steps: int = 0
     requests: int = 0
+
+    def add(self, other: Window) -> None:
+        """Count ``other``'s figures in this one."""
+        self.tokens += other.tokens
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.spec_steps += other.spec_steps
+        self.requests += other.requests
 
     def row(self, seconds: float) -> dict[str, float | None]:
         return {
@@ -83,7 +92,7 @@ async def _closed_loop(
     end finish, and are counted in the windows where their tokens arrived)."""
     windows = [Window() for _ in range(max(1, int(seconds // window_s)))]
     start = time.monotonic()
-    counter = iter(range(10**9))
+    counter = itertools.count()
 
     def window(now: float) -> Window | None:
         i = int((now - start) // window_s)
@@ -179,10 +188,7 @@ def report(phases: dict[str, list[Phase]], window_s: float) -> str:
     for name, runs in phases.items():
         total = Window()
         for w in (p.windows[i] for p in runs for i in range(n)):
-            total.tokens += w.tokens
-            total.drafted += w.drafted
-            total.accepted += w.accepted
-            total.spec_steps += w.spec_steps
+            total.add(w)
         whole[name] = total.row(n * window_s * len(runs))
     lines.append(_cells(f"**first {n * window_s:.0f} s**", whole))
     return "\n".join(lines)

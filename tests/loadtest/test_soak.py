@@ -159,6 +159,11 @@ async def _serve_slow_stream(seen: dict[str, int]) -> tuple[web.AppRunner, str]:
         seen["finished"] += 1
         return response
 
+    return await _serve_completions(handler)
+
+
+async def _serve_completions(handler: Any) -> tuple[web.AppRunner, str]:
+    """A local server answering ``POST /v1/completions`` with ``handler``: its runner and URL."""
     app = web.Application()
     app.router.add_post("/v1/completions", handler)
     runner = web.AppRunner(app)
@@ -202,19 +207,13 @@ def test_an_error_answer_is_a_failure_with_its_code() -> None:
         async def refuse(request: web.Request) -> web.Response:
             return web.json_response({"error": {"code": "overloaded", "type": "x"}}, status=503)
 
-        app = web.Application()
-        app.router.add_post("/v1/completions", refuse)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, url = await _serve_completions(refuse)
         try:
             async with aiohttp.ClientSession() as session:
                 from loadtest.soak_traffic import send_one
 
                 plan = PlannedRequest(0, "/v1/completions", {"prompt": "a"}, None)
-                return await send_one(session, f"http://127.0.0.1:{port}", plan)
+                return await send_one(session, url, plan)
         finally:
             await runner.cleanup()
 
