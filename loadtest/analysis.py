@@ -93,6 +93,7 @@ class CellResult:
     savings_vs_plain: float | None = None
     speedup_vs_plain: float | None = None
     startup_s: float = 0.0
+    chaos: dict[str, Any] | None = None  # the injected fault and its cost (loadtest.chaos.chaos_figures)
     errors: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from loadtest.chaos import CHAOS_KINDS
 from loadtest.workloads import MIXES
 from policies.registry import DEFAULT_POLICY, FIXED_POLICY, PLAIN_POLICY
 from serve_app.config import OFF
@@ -70,6 +71,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="users climb from 1 to each load level and back over --run-time (loadtest.ramp), to watch "
         "autoscaling; the level is the peak",
+    )
+    p.add_argument(
+        "--chaos",
+        choices=CHAOS_KINDS,
+        help="inject one fault into every cell (loadtest.chaos): kill an engine replica (use with "
+        "--min-replicas 2) or kill and restart the cell's own Redis of shared statistics",
+    )
+    p.add_argument(
+        "--chaos-at", type=float, default=0.5, help="when the fault comes, as a fraction of --run-time"
+    )
+    p.add_argument(
+        "--chaos-outage-s", type=float, default=5.0, help="seconds Redis stays down (restart-redis)"
     )
     p.add_argument(
         "--price", type=float, help="USD per replica-hour (default: settings loadtest.replica_hour_price)"

@@ -131,6 +131,7 @@ def _mix_section(mix: str, rows: list[CellResult], plots: list[str]) -> list[str
         out += ["| policy | users | refused | refusal latency p50/p95/p99 ms |", "|---|---|---|---|"]
         for r in refusing:
             out.append(f"| {r.policy} | {r.users} | {r.refused} | {_triple(r.refusal_latency_s, 1000, 0)} |")
+    out += _chaos_rows(rows)
     workloads = sorted({w for r in rows for w in r.per_workload})
     if workloads:
         out += ["", "Per workload: output tok/s / acceptance / TPOT p50 ms.", ""]
@@ -148,6 +149,30 @@ def _mix_section(mix: str, rows: list[CellResult], plots: list[str]) -> list[str
                 )
             out.append(f"| {r.policy} | {r.users} | " + " | ".join(cells) + " |")
     out += [""] + [f"![{name}]({name})" for name in plots] + [""]
+    return out
+
+
+def _chaos_rows(rows: list[CellResult]) -> list[str]:
+    """The table of the faults injected (``--chaos``) and what each cost; nothing without chaos."""
+    hit = [r for r in rows if r.chaos]
+    if not hit:
+        return []
+    out = ["", "Chaos: the fault injected during the load (`loadtest.chaos`), and what it cost.", ""]
+    out += [
+        "| policy | users | fault | at s | whole again after s | in flight: failed | started after: "
+        "failed | unclean failures | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in hit:
+        c = r.chaos or {}
+        errors = "; ".join(c.get("errors") or ([c["error"]] if c.get("error") else []))[:200] or "-"
+        out.append(
+            f"| {r.policy} | {r.users} | {c.get('detail') or c.get('kind')} | {_fmt(c.get('at_s'), 1)} | "
+            f"{_fmt(c.get('recovered_after_s'), 1)} | {c.get('in_flight', '-')}: "
+            f"{c.get('failed_in_flight', '-')} | "
+            f"{c.get('started_after', '-')}: {c.get('failed_after', '-')} | "
+            f"{c.get('unclean_failures', '-')} | {errors} |"
+        )
     return out
 
 
@@ -174,6 +199,7 @@ def write_report(
             if meta.get("ramp")
             else []
         ),
+        *([f"- chaos: {meta['chaos']} (`loadtest.chaos`)"] if meta.get("chaos") else []),
         f"- price: {meta.get('price')} USD per replica-hour (settings `loadtest.replica_hour_price`)",
         f"- wall time of the matrix: {meta.get('wall_s', 0) / 60:.1f} min",
         "",

@@ -15,6 +15,7 @@ load levels once one more level raised its tokens/s by less than 5%.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -24,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,10 +33,12 @@ from typing import Any
 import requests
 
 from loadtest import analysis
+from loadtest.chaos import RESTART_REDIS, chaos_figures, injector_for
 from loadtest.cluster import LocalCluster, ReplicaSampler, counter_delta, free_port
 from loadtest.matrix_arguments import FIRST_POLICIES
 from loadtest.progress import Progress
 from loadtest.ramp import ramp_environment
+from loadtest.redis_process import RedisServer
 from loadtest.server import ServerError, ServerProcess
 from loadtest.streaming import RequestRecord
 from loadtest.timeline import SpeculationTimeline
@@ -70,9 +74,14 @@ def _policy_params(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def cell_settings(
-    base: Settings, args: argparse.Namespace, policy: str, params: dict[str, Any]
+    base: Settings,
+    args: argparse.Namespace,
+    policy: str,
+    params: dict[str, Any],
+    redis_url: str | None = None,
 ) -> dict[str, Any]:
-    """The whole settings of one cell's server (written to its settings.yaml)."""
+    """The whole settings of one cell's server (written to its settings.yaml); shared statistics
+    only in ``redis_url``, a Redis of the cell's own (the restart-redis chaos cell)."""
     overrides: dict[str, Any] = {
         "model.target": args.model,
         "model.draft": args.draft_model,
@@ -89,7 +98,7 @@ def cell_settings(
         "server.host": "127.0.0.1",
         "server.port": free_port(),
         "server.api_key": None,
-        "stats.redis_url": None,  # every cell starts from nothing (no shared priors)
+        "stats.redis_url": redis_url,  # every cell starts from nothing (no shared priors)
     }
     # The base's whole dump first, the cell's dotted keys over it (build_settings merges them).
     return build_settings({**base.model_dump(mode="json"), **overrides}, environment=False).model_dump(
@@ -187,9 +196,11 @@ def run_cell(
     folder: Path,
     progress: Progress,
     price: float,
+    redis: RedisServer | None = None,
 ) -> tuple[analysis.CellResult, list[RequestRecord], SpeculationTimeline]:
     """Start, warm up, load, measure and stop one cell's server; its figures, records and the
-    speculation counters scraped over the load (written to ``timeline.json`` in ``folder``)."""
+    speculation counters scraped over the load (written to ``timeline.json`` in ``folder``).
+    With ``--chaos``, one fault is injected during the load (``loadtest.chaos``)."""
     progress.phase("starting specserve serve")
     with ServerProcess(settings, folder, cluster.address, args.start_timeout) as server:
         model = server.model()
@@ -198,7 +209,15 @@ def run_cell(
         server.warm_up(_warmup_bodies(model, mix, args.warmup, warm_tokens))
         before = cluster.settled_scrape(analysis.GENERATION_TOKENS)
         progress.phase(f"load: {users} user(s), {args.run_time:.0f} s, mix {mix}")
-        with ReplicaSampler(APP_NAME, cluster) as sampler:
+        chaos = (
+            injector_for(
+                args.chaos, args.chaos_at * args.run_time, APP_NAME, redis,
+                settings["stats"]["key_prefix"], args.chaos_outage_s,
+            )
+            if args.chaos
+            else None
+        )  # fmt: skip
+        with ReplicaSampler(APP_NAME, cluster) as sampler, chaos or contextlib.nullcontext():
             load_start = time.time()
             code = _run_locust(args, server, model, users, mix, folder, progress)
             after = cluster.settled_scrape(analysis.GENERATION_TOKENS)
@@ -219,6 +238,8 @@ def run_cell(
             policy, users, mix, records, counters, sampler.replica_seconds(*window), price
         )
         result.startup_s = server.startup_s
+        if chaos is not None:
+            result.chaos = chaos_figures(chaos.event, records)
         result.load_tokens_per_s = sampler.tokens_per_s(load_start, load_start + args.run_time)
         result.locust_requests, result.locust_tokens = analysis.locust_totals(folder / "locust_stats.json")
         if records and result.replica_seconds <= 0:
@@ -257,6 +278,7 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
         "slots": probe["cache"]["max_slots"],
         "replicas": f"{probe['autoscaling']['min_replicas']}-{probe['autoscaling']['max_replicas']}",
         "ramp": bool(args.ramp),
+        "chaos": args.chaos and f"{args.chaos} at {args.chaos_at:g} of the run time",
         "warmup": args.warmup * max(len(mix_workloads(m)) for m in args.mixes),
         "run_time_s": args.run_time,
         "max_requests": args.max_requests,
@@ -288,11 +310,14 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
                     progress.cell_done("skipped (saturated at a lower load)")
                     continue
                 folder = root / mix / policy / f"u{users}"
-                data = cell_settings(settings, args, policy, params.get(policy, {}))
                 try:
-                    result, cell_records, timelines[(policy, users, mix)] = run_cell(
-                        args, cluster, data, policy, users, mix, folder, progress, price
-                    )
+                    with _cell_redis(args) as redis:
+                        data = cell_settings(
+                            settings, args, policy, params.get(policy, {}), redis and redis.url
+                        )
+                        result, cell_records, timelines[(policy, users, mix)] = run_cell(
+                            args, cluster, data, policy, users, mix, folder, progress, price, redis
+                        )
                 except (ServerError, requests.RequestException) as exc:
                     result, cell_records = analysis.CellResult(policy, users, mix, errors=[str(exc)]), []
                 results.append(result)
@@ -320,6 +345,20 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
             print(f"[loadtest] report: {report}", flush=True)
     failed = [r for r in results if r.errors or r.requests == 0]
     return 130 if interrupted else 1 if failed else 0
+
+
+@contextlib.contextmanager
+def _cell_redis(args: argparse.Namespace) -> Iterator[RedisServer | None]:
+    """A redis-server of the cell's own for the restart-redis chaos cell (None otherwise)."""
+    if args.chaos != RESTART_REDIS:
+        yield None
+        return
+    server = RedisServer(free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
 
 
 def _interrupt(signum: int, frame: object) -> None:
