@@ -193,3 +193,13 @@ def chaos_figures(event: ChaosEvent, records: Sequence[RequestRecord]) -> dict[s
         errors=sorted({r.error for r in failed if r.error})[:5],
     )
     return figures
+
+
+def chaos_survived(figures: dict[str, Any]) -> bool:
+    """Whether a chaos cell ended as promised: the fault came, the service was whole again, and every
+    failure was clean (the failures themselves are the fault's expected cost, not the cell's error)."""
+    return (
+        figures.get("error") is None
+        and figures.get("recovered_after_s") is not None
+        and figures.get("unclean_failures") == 0
+    )

@@ -33,7 +33,7 @@ from typing import Any
 import requests
 
 from loadtest import analysis
-from loadtest.chaos import RESTART_REDIS, chaos_figures, injector_for
+from loadtest.chaos import RESTART_REDIS, chaos_figures, chaos_survived, injector_for
 from loadtest.cluster import LocalCluster, ReplicaSampler, counter_delta, free_port
 from loadtest.matrix_arguments import FIRST_POLICIES
 from loadtest.progress import Progress
@@ -343,7 +343,11 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
         if results:
             report = write_report(root, results, records, meta, timelines)
             print(f"[loadtest] report: {report}", flush=True)
-    failed = [r for r in results if r.errors or r.requests == 0]
+    failed = [
+        r
+        for r in results
+        if r.requests == 0 or (not chaos_survived(r.chaos) if r.chaos is not None else bool(r.errors))
+    ]
     return 130 if interrupted else 1 if failed else 0
 
 

@@ -89,6 +89,15 @@ ELSEWHERE = {
         "--model smollm2-135m-instruct --policies plain goodput --users 8 --ramp --max-replicas 2 "
         "--run-time 240"
     ): "tests/loadtest/test_ramp_e2e.py (the same on one policy, 6 users, 75 s, second-long delays)",
+    (
+        ".venv/bin/specserve loadtest --model smollm2-135m-instruct --method ngram --policies goodput "
+        "--users 4 --min-replicas 2 --max-replicas 2 --run-time 90 --chaos kill-replica"
+    ): "tests/loadtest/test_chaos_e2e.py (the same cell: 40 s, the kill at 0.3 of it)",
+    (
+        ".venv/bin/specserve loadtest --model smollm2-135m-instruct --method ngram --policies goodput "
+        "--users 4 --run-time 90 --chaos restart-redis"
+    ): "tests/loadtest/test_chaos.py (the Redis fault and its recovery; tests/serve/test_redis_outage_e2e.py "
+    "under load)",
     ".venv/bin/specserve loadtest [--policies ...] [--users 1 4 16 32] [--mixes mixed] [--run-time 90]": (
         "tests/loadtest/test_smoke.py (an instance on SmolLM2: two policies, one load level, seconds)"
     ),

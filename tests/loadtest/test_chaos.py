@@ -17,6 +17,7 @@ from loadtest.chaos import (
     ChaosEvent,
     ChaosInjector,
     chaos_figures,
+    chaos_survived,
     clean_failure,
     injector_for,
     redis_has_stats,
@@ -75,6 +76,9 @@ def test_figures_split_requests_at_the_fault() -> None:
     assert (figures["in_flight"], figures["failed_in_flight"]) == (3, 2)
     assert (figures["started_after"], figures["failed_after"]) == (2, 1)
     assert figures["unclean_failures"] == 1
+    assert not chaos_survived(figures)  # a cut stream
+    assert chaos_survived({**figures, "unclean_failures": 0})
+    assert not chaos_survived({**figures, "unclean_failures": 0, "recovered_after_s": None})
     assert clean_failure(records[1]) and clean_failure(records[4]) and not clean_failure(records[3])
     assert not clean_failure(records[0])  # no failure at all
 
