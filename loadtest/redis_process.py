@@ -8,10 +8,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
+
+from loadtest.cluster import free_port
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01) -> Any:
@@ -65,3 +68,14 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None
+
+
+@contextmanager
+def started_redis_server() -> Iterator[RedisServer]:
+    """A started ``RedisServer`` on a free port, killed on exit."""
+    server = RedisServer(free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()

@@ -38,7 +38,7 @@ from loadtest.cluster import LocalCluster, ReplicaSampler, counter_delta, free_p
 from loadtest.matrix_arguments import FIRST_POLICIES
 from loadtest.progress import Progress
 from loadtest.ramp import ramp_environment
-from loadtest.redis_process import RedisServer
+from loadtest.redis_process import RedisServer, started_redis_server
 from loadtest.server import ServerError, ServerProcess
 from loadtest.streaming import RequestRecord
 from loadtest.timeline import SpeculationTimeline
@@ -357,12 +357,8 @@ def _cell_redis(args: argparse.Namespace) -> Iterator[RedisServer | None]:
     if args.chaos != RESTART_REDIS:
         yield None
         return
-    server = RedisServer(free_port())
-    server.start()
-    try:
+    with started_redis_server() as server:
         yield server
-    finally:
-        server.kill()
 
 
 def _interrupt(signum: int, frame: object) -> None:

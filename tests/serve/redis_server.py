@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import pytest
 
 from loadtest.cluster import free_port
-from loadtest.redis_process import RedisServer, wait_for
+from loadtest.redis_process import RedisServer, started_redis_server, wait_for
 
 __all__ = ["RedisServer", "free_port", "own_redis_server", "unavailable", "wait_for"]
 
@@ -35,9 +35,5 @@ def own_redis_server() -> Iterator[RedisServer]:
     """A started ``RedisServer`` on a free port, killed on exit."""
     if shutil.which("redis-server") is None:
         unavailable("redis-server is not on PATH (needed to kill and restart a Redis of the test's own)")
-    server = RedisServer(free_port())
-    server.start()
-    try:
+    with started_redis_server() as server:
         yield server
-    finally:
-        server.kill()
