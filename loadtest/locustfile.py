@@ -139,13 +139,15 @@ class _LLMUser(User):
         }
         self.current = next(iter(self.conversations.values()))
         self.session = requests.Session()
+        self.retry_after_s = 0.0
         self.url = f"{(self.host or '').rstrip('/')}/v1/chat/completions"
 
     def on_stop(self) -> None:
         self.session.close()
 
     def wait_time(self) -> float:
-        return self.current.think_time()
+        # A refused request is retried no sooner than the server asked (as OpenAI's client does).
+        return max(self.current.think_time(), self.retry_after_s)
 
     def _pick(self) -> Conversation:
         if self.current.turn and self.current.turn < self.current.workload.turns:
@@ -173,6 +175,7 @@ class _LLMUser(User):
         finally:
             state.running -= 1
         conversation.answered(record.text if record.ok else None)
+        self.retry_after_s = record.retry_after_s or 0.0
         state.add(record)
         self._fire(record)
 

@@ -54,6 +54,7 @@ class RequestRecord:
     finish_reason: str | None = None
     status: int = 0
     error: str | None = None
+    retry_after_s: float | None = None  # a refusal's Retry-After header (seconds), if it sent one
     proposer: str | None = None
     steps: int = 0
     spec_steps: int = 0
@@ -107,6 +108,7 @@ def stream_chat(
         try:
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {response.text[:300]}"
+                record.retry_after_s = _retry_after(getattr(response, "headers", None) or {})
                 return record
             done = False
             for payload in _events(response.iter_lines()):
@@ -150,6 +152,15 @@ def stream_chat(
     if record.error is None and record.finish_reason is None:
         record.error = "stream ended without a finish_reason"
     return record
+
+
+def _retry_after(headers: Any) -> float | None:
+    """The ``Retry-After`` header in seconds (the delay form; an HTTP date is not used here)."""
+    value = headers.get("Retry-After")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _take_speculation(record: RequestRecord, block: dict[str, Any] | None) -> None:

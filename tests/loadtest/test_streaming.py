@@ -10,10 +10,13 @@ from loadtest.streaming import RequestRecord, stream_chat
 
 
 class FakeResponse:
-    def __init__(self, status: int, lines: list[str], text: str = "") -> None:
+    def __init__(
+        self, status: int, lines: list[str], text: str = "", headers: dict[str, str] | None = None
+    ) -> None:
         self.status_code = status
         self._lines = lines
         self.text = text
+        self.headers = headers or {}
         self.closed = False
 
     def iter_lines(self) -> Iterable[bytes]:
@@ -90,6 +93,11 @@ def test_errors_are_recorded_not_raised() -> None:
         FakeSession(FakeResponse(503, [], text='{"error": "busy"}')), "u", {}, RequestRecord("x", 0, 0)
     )
     assert not refused.ok and refused.status == 503 and "503" in refused.error
+    assert refused.retry_after_s is None  # no header sent
+    asked = FakeResponse(503, [], text="{}", headers={"Retry-After": "2"})
+    assert stream_chat(FakeSession(asked), "u", {}, RequestRecord("x", 0, 0)).retry_after_s == 2.0
+    dated = FakeResponse(429, [], headers={"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"})
+    assert stream_chat(FakeSession(dated), "u", {}, RequestRecord("x", 0, 0)).retry_after_s is None
     broken = stream_chat(FakeSession(ConnectionError("refused")), "u", {}, RequestRecord("x", 0, 0))
     assert not broken.ok and "ConnectionError" in broken.error
     error_event = [
