@@ -2,16 +2,21 @@
 
 Starts (or joins, through ``RAY_ADDRESS``) a local cluster, never ``ray start --head``: port 6379
 is Redis's on our machines. Fetches the models first, where their progress shows, deploys
-``serve_app.app.build_app`` and prints the URL once the engine replica answers ``/health``.
+``serve_app.app.build_app`` and prints the URL once the engine replica answers ``/health``; then,
+while it serves, a line each time the engine deployment's replicas change (what ``serve status``
+shows where the cluster has a dashboard; ours starts without one).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 from serve_app.builder import model_store, models_needed, served_model_name
 from serve_app.config import Settings
+
+WATCH_INTERVAL_S = 2.0  # how often the serving loop reads serve.status() for replica changes
 
 
 def _http_status(url: str) -> int | None:
@@ -59,6 +64,19 @@ def _metrics_options(settings: Settings, address: str) -> dict[str, object]:
     return options
 
 
+def engine_replicas_line(status: Any, app_name: str, deployment: str) -> str | None:
+    """``deployment``'s state and replica counts in ``status`` (``serve.status()``), e.g.
+    ``UPSCALING: 1 running, 1 starting``; None while the application has no such deployment."""
+    app = status.applications.get(app_name)
+    if app is None or deployment not in app.deployments:
+        return None
+    overview = app.deployments[deployment]
+    states = overview.replica_states.items()
+    counts = sorted((str(getattr(state, "value", state)).lower(), n) for state, n in states)
+    replicas = ", ".join(f"{n} {state}" for state, n in counts if n) or "no replicas"
+    return f"{getattr(overview.status, 'value', overview.status)}: {replicas}"
+
+
 def serve_locally(settings: Settings) -> int:
     """Serve the OpenAI-compatible API on a local Ray cluster until Ctrl-C, SIGINT or SIGTERM."""
     import os
@@ -72,7 +90,7 @@ def serve_locally(settings: Settings) -> int:
     import ray
     from ray import serve
 
-    from serve_app.app import APP_NAME, build_app
+    from serve_app.app import APP_NAME, ENGINE_DEPLOYMENT, build_app
 
     started_ray = not ray.is_initialized()
     if started_ray:  # a local cluster (never `ray start --head`: port 6379 is Redis's here)
@@ -136,8 +154,13 @@ def serve_locally(settings: Settings) -> int:
             "[specserve] Ctrl-C to stop",
             flush=True,
         )
-        while True:
-            time.sleep(3600)
+        shown = None
+        while True:  # say when Serve adds or removes engine replicas (autoscaling, a replacement)
+            line = engine_replicas_line(serve.status(), app_name, ENGINE_DEPLOYMENT)
+            if line != shown and line is not None:
+                print(f"[specserve] {time.strftime('%H:%M:%S')} engine replicas {line}", flush=True)
+                shown = line
+            time.sleep(WATCH_INTERVAL_S)
     except KeyboardInterrupt:
         print("\n[specserve] shutting down", flush=True)
         return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from types import SimpleNamespace
 
 from serve_app.config import build_settings
 from serve_app.local_server import _metrics_options
@@ -33,3 +34,22 @@ def test_a_taken_port_leaves_the_choice_to_ray_and_a_joined_cluster_keeps_its_ow
     assert "_metrics_export_port" not in _metrics_options(
         build_settings({"telemetry": {"metrics_export_port": 0}}, environment=False), "local"
     )
+
+
+def test_the_serving_loop_names_the_engine_replicas_as_serve_status_does() -> None:
+    from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
+    from ray.serve.schema import DeploymentStatusOverview
+
+    from serve_app.local_server import engine_replicas_line
+
+    overview = DeploymentStatusOverview(
+        status=DeploymentStatus.UPSCALING,
+        status_trigger=DeploymentStatusTrigger.AUTOSCALING,
+        replica_states={ReplicaState.RUNNING: 1, ReplicaState.STARTING: 1, ReplicaState.STOPPING: 0},
+        message="",
+    )
+    app = SimpleNamespace(deployments={"EngineDeployment": overview})
+    status = SimpleNamespace(applications={"specserve": app})
+    assert engine_replicas_line(status, "specserve", "EngineDeployment") == "UPSCALING: 1 running, 1 starting"
+    assert engine_replicas_line(status, "other", "EngineDeployment") is None
+    assert engine_replicas_line(status, "specserve", "Ingress") is None
