@@ -4,8 +4,9 @@ A cell with chaos runs as any other; at ``--chaos-at`` (a fraction of ``--run-ti
 load starts, a background thread injects one fault and then watches for the recovery:
 
 - ``kill-replica``: ``ray.kill`` of one engine replica actor (no restart by Ray: Serve's controller
-  notices and starts a replacement). Recovered when the deployment runs as many replicas as before
-  and the victim is not among them. Run it with ``--min-replicas 2`` so the survivor serves meanwhile.
+  notices and starts a replacement). Recovered once Serve, having counted a replica fewer, runs as
+  many as before again (the victim's actor name leaves Ray's list at once, which proves nothing).
+  Run it with ``--min-replicas 2`` so the survivor serves meanwhile.
 - ``restart-redis``: the cell's shared statistics point at a ``redis-server`` of the runner's own
   (``loadtest.redis_process``, a free port, never the shared 6379); it is killed, stays down for
   ``--chaos-outage-s``, and restarts empty. Recovered when the replicas' statistics are in the new
@@ -25,14 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from loadtest.cluster import LocalCluster
+from loadtest.cluster import ENGINE_DEPLOYMENT, LocalCluster
 from loadtest.redis_process import RedisServer
 from loadtest.streaming import RequestRecord
 
 KILL_REPLICA = "kill-replica"
 RESTART_REDIS = "restart-redis"
 CHAOS_KINDS = (KILL_REPLICA, RESTART_REDIS)
-ENGINE_DEPLOYMENT = "EngineDeployment"  # serve_app.app.ENGINE_DEPLOYMENT (not imported: no Ray at import)
 CLEAN_ERRORS = ("stream error:", "HTTP ")  # how loadtest.streaming records a failure the server reported
 
 
@@ -148,9 +148,11 @@ def injector_for(
             return f"killed {before['victim']} (one of {before['replicas']} running)"
 
         def recovered() -> bool:
-            return LocalCluster.running_replicas(app_name) >= before["replicas"] and before[
-                "victim"
-            ] not in engine_replica_actors(app_name)
+            # The victim's name leaves Ray's list at once, but Serve reports it RUNNING until its
+            # controller notices: whole again only once the count was seen to drop and came back.
+            running = LocalCluster.running_replicas(app_name)
+            before["dropped"] = before.get("dropped", False) or running < before["replicas"]
+            return before["dropped"] and running >= before["replicas"]
 
         return ChaosInjector(kind, delay_s, inject, recovered, poll_s=0.5)
     if kind == RESTART_REDIS:

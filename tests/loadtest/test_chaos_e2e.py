@@ -42,7 +42,8 @@ def test_a_replica_killed_mid_cell_costs_only_its_requests(tmp_path: Path, smoll
     (cell,) = json.loads((folder / "cells.json").read_text())["cells"]
     chaos = cell["chaos"]
     assert chaos["error"] is None and "killed" in chaos["detail"], (chaos, run.stdout[-3000:])
-    assert chaos["recovered_after_s"] is not None, chaos  # two replicas again, the victim gone
+    # Two replicas again: Serve saw one fewer and started a replacement (a model load: seconds).
+    assert chaos["recovered_after_s"] is not None and chaos["recovered_after_s"] > 1.0, chaos
     assert chaos["unclean_failures"] == 0, chaos
     assert "Chaos: the fault injected" in (folder / "report.md").read_text()
 

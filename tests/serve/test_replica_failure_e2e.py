@@ -19,7 +19,8 @@ import pytest
 import ray
 from ray import serve
 
-from serve_app.app import ENGINE_DEPLOYMENT, build_app
+from loadtest.chaos import engine_replica_actors
+from serve_app.app import build_app
 from tests.serve.test_autoscaling_e2e import SLOTS, running_replicas, small_replicas, wait_for
 
 APP = "specserve-replica-failure-e2e"
@@ -36,15 +37,6 @@ def client(smollm2_path, serve_http: str) -> Iterator[openai.OpenAI]:
         yield openai.OpenAI(base_url=f"{serve_http}/v1", api_key="unused", max_retries=0, timeout=120)
     finally:
         serve.delete(APP)
-
-
-def engine_replica_actors() -> list[str]:
-    """Names of this application's engine replica actors (Serve's namespace)."""
-    return [
-        actor["name"]
-        for actor in ray.util.list_named_actors(all_namespaces=True)
-        if actor["namespace"] == "serve" and f"{APP}#{ENGINE_DEPLOYMENT}#" in actor["name"]
-    ]
 
 
 def long_stream(client: openai.OpenAI, results: list, index: int) -> None:
@@ -74,7 +66,7 @@ def test_a_killed_replica_fails_only_what_it_ran_and_is_replaced(client: openai.
     for thread in threads:
         thread.start()
     time.sleep(4)  # every stream has reached its replica
-    victim = engine_replica_actors()[0]
+    victim = engine_replica_actors(APP)[0]
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     killed_at = time.monotonic()
     for thread in threads:
@@ -91,5 +83,5 @@ def test_a_killed_replica_fails_only_what_it_ran_and_is_replaced(client: openai.
     for i in range(4):
         response = client.completions.create(model=MODEL, prompt=f"def f{i}(x):", max_tokens=8)
         assert response.choices[0].finish_reason in ("stop", "length")
-    replaced = lambda: running_replicas(APP) == 2 and victim not in engine_replica_actors()  # noqa: E731
+    replaced = lambda: running_replicas(APP) == 2 and victim not in engine_replica_actors(APP)  # noqa: E731
     wait_for(replaced, 180, "a replacement")
