@@ -33,7 +33,7 @@ from typing import Any
 import requests
 
 from loadtest import analysis
-from loadtest.chaos import RESTART_REDIS, chaos_figures, chaos_survived, injector_for
+from loadtest.chaos import RESTART_REDIS, ChaosInjector, chaos_figures, chaos_survived, injector_for
 from loadtest.cluster import LocalCluster, ReplicaSampler, counter_delta, free_port
 from loadtest.matrix_arguments import FIRST_POLICIES
 from loadtest.progress import Progress
@@ -209,14 +209,7 @@ def run_cell(
         server.warm_up(_warmup_bodies(model, mix, args.warmup, warm_tokens))
         before = cluster.settled_scrape(analysis.GENERATION_TOKENS)
         progress.phase(f"load: {users} user(s), {args.run_time:.0f} s, mix {mix}")
-        chaos = (
-            injector_for(
-                args.chaos, args.chaos_at * args.run_time, APP_NAME, redis,
-                settings["stats"]["key_prefix"], args.chaos_outage_s,
-            )
-            if args.chaos
-            else None
-        )  # fmt: skip
+        chaos = _chaos_injector(args, settings, redis)
         with ReplicaSampler(APP_NAME, cluster) as sampler, chaos or contextlib.nullcontext():
             load_start = time.time()
             code = _run_locust(args, server, model, users, mix, folder, progress)
@@ -349,6 +342,17 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
         if r.requests == 0 or (not chaos_survived(r.chaos) if r.chaos is not None else bool(r.errors))
     ]
     return 130 if interrupted else 1 if failed else 0
+
+
+def _chaos_injector(
+    args: argparse.Namespace, settings: dict[str, Any], redis: RedisServer | None
+) -> ChaosInjector | None:
+    """The cell's fault (``--chaos``), due ``--chaos-at`` of the run time after the load starts."""
+    if not args.chaos:
+        return None
+    delay_s = args.chaos_at * args.run_time
+    prefix = settings["stats"]["key_prefix"]
+    return injector_for(args.chaos, delay_s, APP_NAME, redis, prefix, args.chaos_outage_s)
 
 
 @contextlib.contextmanager

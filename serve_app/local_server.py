@@ -156,7 +156,10 @@ def serve_locally(settings: Settings) -> int:
         )
         shown = None
         while True:  # say when Serve adds or removes engine replicas (autoscaling, a replacement)
-            line = engine_replicas_line(serve.status(), app_name, ENGINE_DEPLOYMENT)
+            try:
+                line = engine_replicas_line(serve.status(), app_name, ENGINE_DEPLOYMENT)
+            except Exception:  # the controller busy or restarting: a log line must not stop serving
+                line = None
             if line != shown and line is not None:
                 print(f"[specserve] {time.strftime('%H:%M:%S')} engine replicas {line}", flush=True)
                 shown = line
