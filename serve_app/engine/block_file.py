@@ -4,7 +4,8 @@
 blocks from the pack's GGUF as they are; ``read_blocks`` turns it into weights keyed by the
 checkpoint's parameter names. Per matrix ``name`` it holds either
 
-- ``name:q4k.qs / .d / .dmin / .scales / .mins``: Q4_K blocks (``quantized.Q4KWeight``), or
+- ``name:q4k.qs / .d / .dmin / .scales / .mins``: Q4_K blocks in the GGUF's layout
+  (``q4k_weight.Q4KBlocks``; tiled for the kernels when read), or
 - ``name:q8.data / .scales``: int8 values with an fp16 scale per 32 inputs (``quantized.Q8Weight``),
   which hold the GGUF's Q8_0, Q5_0 and Q4_0 blocks exactly.
 
@@ -17,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from serve_app.engine.quantized import Q4KWeight, Q8Weight
+from serve_app.engine.q4k_weight import Q4KBlocks, Q4KWeight
+from serve_app.engine.quantized import Q8Weight
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
 FORMAT = "specserve-gguf-blocks/1"  # the file's metadata "format"; another value is refused
-Q4K_FIELDS = ("qs", "d", "dmin", "scales", "mins")
+Q4K_FIELDS = Q4KBlocks.FIELDS
 Q8_FIELDS = ("data", "scales")
 
 
@@ -45,8 +47,10 @@ def resolve_weight_format(requested: str, model_dir: str | Path, device: str = "
 
 def tensors_of(name: str, weight: Q4KWeight | Q8Weight) -> dict[str, torch.Tensor]:
     """The file's entries for one matrix."""
-    kind, fields = ("q4k", Q4K_FIELDS) if isinstance(weight, Q4KWeight) else ("q8", Q8_FIELDS)
-    return {f"{name}:{kind}.{field}": getattr(weight, field).contiguous() for field in fields}
+    if isinstance(weight, Q4KWeight):
+        blocks = weight.blocks()
+        return {f"{name}:q4k.{field}": getattr(blocks, field).contiguous() for field in Q4K_FIELDS}
+    return {f"{name}:q8.{field}": getattr(weight, field).contiguous() for field in Q8_FIELDS}
 
 
 def read_blocks(model_dir: str | Path) -> dict[str, Q4KWeight | Q8Weight]:
@@ -70,7 +74,8 @@ def read_blocks(model_dir: str | Path) -> dict[str, Q4KWeight | Q8Weight]:
     weights: dict[str, Q4KWeight | Q8Weight] = {}
     for name, entries in fields.items():
         if "q4k.qs" in entries:
-            weights[name] = Q4KWeight(*(entries[f"q4k.{field}"] for field in Q4K_FIELDS))
+            blocks = Q4KBlocks(*(entries[f"q4k.{field}"] for field in Q4K_FIELDS))
+            weights[name] = Q4KWeight.from_blocks(blocks)
         else:
             weights[name] = Q8Weight(*(entries[f"q8.{field}"] for field in Q8_FIELDS))
     return weights

@@ -6,10 +6,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from serve_app.engine.q4k_weight import Q4KWeight
 from serve_app.engine.quantized import (
     Int8Weight,
     PaddedInputs,
-    Q4KWeight,
     Q8Weight,
     QuantizedWeight,
     concat_rows,

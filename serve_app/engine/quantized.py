@@ -4,7 +4,8 @@
   activations per tensor: a row's result depends on the others, so never for a target).
 - ``Q8Weight``: int8 with an fp16 scale per 32 inputs (llama.cpp's Q8_0), our kernel; also holds
   the GGUF's Q8_0 / Q5_0 / Q4_0 blocks exactly (their values fit in int8 with the same scale).
-- ``Q4KWeight``: the GGUF's Q4_K blocks as they are (4.6 bits per weight), our kernel.
+- ``Q4KWeight`` (``engine.q4k_weight``): the GGUF's Q4_K blocks as they are (4.6 bits per weight),
+  tiled for our kernel.
 - ``PaddedInputs``: a Q4_K weight whose inputs were zero-padded to a multiple of 256 (the ``q4k``
   format of a draft whose matrices are 896 wide).
 - ``RowStack``: output rows of several weights in order (a fused product whose parts the GGUF
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.engine.kernels import require_kernels
+from serve_app.engine.q4k_weight import SUPER, Q4KWeight
 
 
 def _fbgemm_available() -> bool:
@@ -121,86 +123,6 @@ class Q8Weight:
         return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
-def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """4-bit values [out, in] (0..15) -> bytes [out, in / 2] in the GGUF's order: per 64 inputs 32
-    bytes, low nibble input i, high nibble input 32 + i."""
-    out_features, in_features = q.shape
-    pairs = q.to(torch.uint8).reshape(out_features, in_features // 64, 2, 32)
-    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(out_features, in_features // 2)
-
-
-def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    out_features, half = qs.shape
-    chunks = qs.reshape(out_features, half // 32, 32)
-    return torch.stack([chunks & 0x0F, chunks >> 4], dim=2).reshape(out_features, half * 2)
-
-
-@dataclass(frozen=True)
-class Q4KWeight:
-    """``w = d * scale[b] * q - dmin * min[b]``: llama.cpp's Q4_K with its 6-bit scales unpacked.
-
-    Per 256 inputs an fp16 ``d`` and ``dmin``; per block of 32 an integer ``scale`` and ``min``
-    (0..63); per input a 4-bit ``q``. ``packs.gguf_blocks`` takes them from the pack's GGUF as they
-    are; ``quantize`` derives them from dense weights (tests, models without a GGUF)."""
-
-    qs: torch.Tensor  # [out, in / 2] uint8, two 4-bit values per byte (the GGUF's order)
-    d: torch.Tensor  # [out, in / 256] fp16 bits as int16
-    dmin: torch.Tensor  # [out, in / 256] fp16 bits as int16
-    scales: torch.Tensor  # [out, in / 32] uint8
-    mins: torch.Tensor  # [out, in / 32] uint8
-
-    SUPER = 256
-    BLOCK = 32
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.qs.shape[0], self.qs.shape[1] * 2))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.dmin, self.scales, self.mins))
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Q4KWeight:
-        """Min/max per block of 32, block scales and mins as 6-bit multiples of the super-block's."""
-        out_features, in_features = weight.shape
-        if in_features % cls.SUPER:
-            raise ValueError(f"q4k needs input features in multiples of {cls.SUPER}, got {in_features}")
-        blocks = weight.float().reshape(out_features, in_features // cls.SUPER, 8, cls.BLOCK)
-        low = blocks.amin(dim=-1).clamp(max=0.0).neg()  # [out, S, 8] what the block subtracts
-        step = (blocks.amax(dim=-1) + low) / 15.0  # [out, S, 8]
-        d = (step.amax(dim=-1) / 63.0).to(torch.float16)  # [out, S]
-        dmin = (low.amax(dim=-1) / 63.0).to(torch.float16)
-        df, dminf = d.float().unsqueeze(-1), dmin.float().unsqueeze(-1)
-        scales = torch.where(df > 0, torch.round(step / df.clamp(min=1e-30)), 0.0).clamp(0, 63)
-        mins = torch.where(dminf > 0, torch.round(low / dminf.clamp(min=1e-30)), 0.0).clamp(0, 63)
-        block_step, block_low = (df * scales).unsqueeze(-1), (dminf * mins).unsqueeze(-1)
-        q = torch.where(block_step > 0, torch.round((blocks + block_low) / block_step.clamp(min=1e-30)), 0.0)
-        q = q.clamp(0, 15).reshape(out_features, in_features)
-        return cls(
-            _pack_nibbles(q),
-            d.view(torch.int16).contiguous(),
-            dmin.view(torch.int16).contiguous(),
-            scales.to(torch.uint8).reshape(out_features, -1).contiguous(),
-            mins.to(torch.uint8).reshape(out_features, -1).contiguous(),
-        )
-
-    def dequantize(self) -> torch.Tensor:
-        """The weights as float32 ``[out, in]`` (each value exact: the kernel's numbers)."""
-        out_features, in_features = self.shape
-        q = _unpack_nibbles(self.qs).float().reshape(out_features, -1, self.BLOCK)
-        d = self.d.view(torch.float16).float().repeat_interleave(8, dim=1)  # [out, in / 32]
-        dmin = self.dmin.view(torch.float16).float().repeat_interleave(8, dim=1)
-        step, low = (d * self.scales.float()).unsqueeze(-1), (dmin * self.mins.float()).unsqueeze(-1)
-        return (step * q - low).reshape(out_features, in_features)
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # [M, in]
-        kernels = require_kernels("gguf")
-        out = kernels.q4k_linear(flat, self.qs, self.d, self.dmin, self.scales, self.mins)  # [M, out] f32
-        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-
-
 @dataclass(frozen=True)
 class PaddedInputs:
     """A Q4_K weight over more inputs than the model has: ``in_features`` real ones, then zero
@@ -216,7 +138,7 @@ class PaddedInputs:
         """Q4_K from dense weights: min/max blocks (``Q4KWeight.quantize``) after zero-padding the
         inputs to a multiple of 256; a plain ``Q4KWeight`` where no padding is needed."""
         in_features = weight.shape[1]
-        padding = -in_features % Q4KWeight.SUPER
+        padding = -in_features % SUPER
         if not padding:
             return Q4KWeight.quantize(weight)
         return cls(Q4KWeight.quantize(torch.nn.functional.pad(weight.float(), (0, padding))), in_features)
@@ -267,6 +189,8 @@ def concat_rows(parts: Sequence[Q8Weight | Q4KWeight]) -> Q8Weight | Q4KWeight |
 
 def _fuse(group: list) -> Q8Weight | Q4KWeight:
     kind = type(group[0])
+    if kind is Q4KWeight:
+        return Q4KWeight.concat(group)
     fields = kind.__dataclass_fields__
     return kind(**{f: torch.cat([getattr(p, f) for p in group]) for f in fields})
 

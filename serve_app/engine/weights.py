@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from serve_app.engine.invariance import RowPlan
+from serve_app.engine.q4k_weight import Q4KWeight
 from serve_app.engine.quantized import (
     Int8Weight,
     PaddedInputs,
-    Q4KWeight,
     Q8Weight,
     QuantizedWeight,
     RowStack,

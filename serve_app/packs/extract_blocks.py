@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from serve_app.engine.block_file import BLOCKS_FILE, FORMAT, tensors_of
-from serve_app.engine.quantized import Q4KWeight, Q8Weight
+from serve_app.engine.q4k_weight import Q4KBlocks, Q4KWeight
+from serve_app.engine.quantized import Q8Weight
 
 LAYER_MATRICES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -55,13 +56,13 @@ def q4k_from_blocks(raw: np.ndarray, rows: int, cols: int) -> Q4KWeight:
     scales = np.concatenate([low & 0x3F, (rest & 0x0F) | ((low >> 6) << 4)], axis=-1)
     mins = np.concatenate([high & 0x3F, (rest >> 4) | ((high >> 6) << 4)], axis=-1)
     qs = blocks[..., 16:144].reshape(rows, cols // 2)
-    return Q4KWeight(
+    return Q4KWeight.from_blocks(Q4KBlocks(
         torch.from_numpy(np.ascontiguousarray(qs)),
         torch.from_numpy(np.ascontiguousarray(d)),
         torch.from_numpy(np.ascontiguousarray(dmin)),
         torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1))),
         torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, -1))),
-    )
+    ))  # fmt: skip
 
 
 def q8_from_blocks(raw: np.ndarray, rows: int, cols: int, quant_type: object) -> Q8Weight:
@@ -91,6 +92,8 @@ def _row_orders(rows: int, heads: tuple[int, ...]) -> list[torch.Tensor | None]:
 
 
 def _reorder(weight: Q4KWeight | Q8Weight, index: torch.Tensor) -> Q4KWeight | Q8Weight:
+    if isinstance(weight, Q4KWeight):
+        return Q4KWeight.from_blocks(weight.blocks().select_rows(index))
     fields = type(weight).__dataclass_fields__
     return type(weight)(**{f: getattr(weight, f).index_select(0, index).contiguous() for f in fields})
 

@@ -1,4 +1,5 @@
-"""Every vector path of our kernels (AVX-512 VNNI, AVX2, scalar) gives the same numbers, bit for bit.
+"""Every vector path of our kernels (AMX, AVX-512 VNNI, AVX2, scalar) gives the same numbers, bit for
+bit.
 
 The engine takes the best path the CPU has; a pack served on an AVX2 host and on an AVX-512 host
 therefore decodes the same tokens, and a path that rounded differently would be a bug. Paths the
@@ -10,12 +11,13 @@ import pytest
 import torch
 
 from serve_app.engine.kernels import kernels_module
-from serve_app.engine.quantized import Q4KWeight, Q8Weight
+from serve_app.engine.q4k_weight import Q4KWeight
+from serve_app.engine.quantized import Q8Weight
 from tests.engine.quantized_helpers import require_built_kernels
 
 require_built_kernels()
 
-PATHS = ("avx512", "avx2", "scalar")
+PATHS = ("amx", "avx512", "avx2", "scalar")
 
 
 @pytest.fixture
@@ -47,9 +49,10 @@ def products_on_every_path(module, weight, x: torch.Tensor) -> dict[str, torch.T
 
 # in_features: one super-block; the Qwen 1.5B widths; for q8 also block counts that leave a tail of
 # 1..3 blocks after the groups of four (50 and 51 blocks)
-# rows: 9 = groups of 4, 4 and 1 (8 and 1 on AVX-512); 1 = decode, whose AVX-512 path takes two
-# outputs per pass (67 outputs: 33 pairs and one alone)
-@pytest.mark.parametrize("rows", [1, 9])
+# rows: 1 = decode; 3 = the VNNI path's groups of rows; 4 = AMX's first width; 9 = groups of 4, 4
+# and 1 (VNNI) or one tile (AMX); 17 and 33 = AMX chunks of 16 with a zero-padded tail. 67 outputs:
+# four groups of 16 and a last group of 3
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 17, 33])
 @pytest.mark.parametrize("in_features", [256, 1536, 8960])
 def test_q4k_paths_agree(kernels, in_features: int, rows: int) -> None:
     torch.manual_seed(in_features)

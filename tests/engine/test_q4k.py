@@ -13,7 +13,8 @@ from serve_app.engine.exactness import make_exact
 from serve_app.engine.invariance import probe_rows
 from serve_app.engine.kernels import kernels_module
 from serve_app.engine.model import DecoderModel
-from serve_app.engine.quantized import PaddedInputs, Q4KWeight, Q8Weight, RowStack, concat_rows
+from serve_app.engine.q4k_weight import Q4KBlocks, Q4KWeight, unpack_nibbles
+from serve_app.engine.quantized import PaddedInputs, Q8Weight, RowStack, concat_rows
 from serve_app.engine.weights import linear, product_kind
 from tests.conftest import make_tiny_engine, make_tiny_hf_model
 from tests.engine.quantized_helpers import assert_speculation_equals_plain, require_built_kernels
@@ -58,23 +59,51 @@ def test_the_kernel_computes_the_quantized_product(dtype) -> None:
     torch.manual_seed(1)
     weight = Q4KWeight.quantize(torch.randn(72, 768))
     x = torch.randn(6, 768).to(dtype)
-    got = kernels_module().q4k_linear(x, weight.qs, weight.d, weight.dmin, weight.scales, weight.mins)
+    got = kernels_module().q4k_linear(x, weight.tiles, weight.out_features)
     want = reference(x, weight)
     assert got.dtype == torch.float32 and got.shape == (6, 72)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
     assert torch.equal(linear(x, weight), got.to(dtype))
 
 
-def test_the_kernel_refuses_mismatched_blocks() -> None:
-    weight = Q4KWeight.quantize(torch.randn(8, 256))
+def test_the_kernel_refuses_mismatched_tiles() -> None:
+    weight = Q4KWeight.quantize(torch.randn(40, 512))
+    kernels = kernels_module()
     with pytest.raises(RuntimeError, match="multiple of 256"):
-        kernels_module().q4k_linear(
-            torch.randn(1, 128), weight.qs, weight.d, weight.dmin, weight.scales, weight.mins
-        )
-    with pytest.raises(RuntimeError, match="scales and mins"):
-        kernels_module().q4k_linear(
-            torch.randn(1, 256), weight.qs, weight.d, weight.dmin, weight.mins[:4], weight.mins
-        )
+        kernels.q4k_linear(torch.randn(1, 128), weight.tiles, 40)
+    with pytest.raises(RuntimeError, match="the tiles hold 512 inputs, x has 256"):
+        kernels.q4k_linear(torch.randn(1, 256), weight.tiles, 40)
+    with pytest.raises(RuntimeError, match="3 groups of 16 cannot hold 49 outputs"):
+        kernels.q4k_linear(torch.randn(1, 512), weight.tiles, 49)
+    with pytest.raises(RuntimeError, match="tiles must be uint8"):
+        kernels.q4k_linear(torch.randn(1, 512), weight.tiles.view(torch.int8), 40)
+
+
+@pytest.mark.parametrize("out_features", [16, 40, 67])
+def test_tiles_hold_the_gguf_blocks_exactly(out_features: int) -> None:
+    """The kernel's layout is a permutation of the GGUF's: both ways round, bit for bit."""
+    torch.manual_seed(out_features)
+    blocks = Q4KBlocks.quantize(torch.randn(out_features, 768))
+    weight = Q4KWeight.from_blocks(blocks)
+    assert weight.tiles.shape == (-(-out_features // 16), 3, 2368)
+    assert weight.shape == (out_features, 768)
+    back = weight.blocks()
+    assert all(torch.equal(a, b) for a, b in zip(back.tensors(), blocks.tensors(), strict=True))
+    assert torch.equal(weight.dequantize(), blocks.dequantize())
+    # a tile is what q4k_tiles.h says: output 5's d first, its q at input 17 (block 0, high nibble)
+    tile = weight.tiles[0, 0]
+    assert tile[10:12].view(torch.int16).item() == blocks.d[5, 0].item()
+    q = unpack_nibbles(blocks.qs)
+    assert tile[320 + 0 * 64 + 4 * 5 + 1] >> 4 == q[5, 17]
+
+
+def test_concat_keeps_whole_groups_and_retiles_the_rest() -> None:
+    torch.manual_seed(4)
+    parts = [Q4KWeight.quantize(torch.randn(n, 256)) for n in (32, 16, 8)]
+    dense = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(Q4KWeight.concat(parts).dequantize(), dense)
+    odd = [parts[2], parts[0]]  # 8 outputs then 32: the group boundary moves
+    assert torch.equal(Q4KWeight.concat(odd).dequantize(), torch.cat([p.dequantize() for p in odd]))
 
 
 def test_rows_agree_at_every_count() -> None:

@@ -12,24 +12,27 @@
 #define SPECSERVE_AVX2 0
 #endif
 
-// AVX-512 (F, BW, VL) with VNNI: compiled beside the AVX2 code as functions with their own target
-// attribute and chosen at run time (an image built with these kernels still runs on AVX2 hosts).
+// AVX-512 (F, BW, VL) with VNNI, and AMX-INT8: compiled beside the AVX2 code as functions with their
+// own target attribute and chosen at run time (an image built with these kernels still runs on AVX2
+// hosts).
 #if SPECSERVE_AVX2 && defined(__GNUC__) && defined(__x86_64__)
 #define SPECSERVE_AVX512 1
 #define SPECSERVE_AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define SPECSERVE_AMX_FN \
+  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #else
 #define SPECSERVE_AVX512 0
 #endif
 
 namespace specserve {
 
-// Which vector code the products run. Every path forms the same integer lanes and the same float
-// steps, so they agree bit for bit; the choice is the best the CPU has unless force_isa (tests,
-// benchmarks) narrowed it.
-enum class Isa { kScalar, kAvx2, kAvx512 };
+// Which vector code the products run. Every path forms the same exact integer sums and the same
+// float steps, so they agree bit for bit; the choice is the best the CPU has unless force_isa (tests,
+// benchmarks) narrowed it. kAmx: AVX-512 VNNI, with AMX-INT8 tiles for products of several rows.
+enum class Isa { kScalar, kAvx2, kAvx512, kAmx };
 Isa isa();
-const char* active_isa();          // "avx512" (AVX-512 VNNI), "avx2" or "scalar"
-void force_isa(const char* name);  // "auto", "avx512", "avx2" or "scalar"; throws if unavailable
+const char* active_isa();          // "amx", "avx512" (AVX-512 VNNI), "avx2" or "scalar"
+void force_isa(const char* name);  // "auto", "amx", "avx512", "avx2" or "scalar"; throws if unavailable
 
 inline float half_to_float(uint16_t h) {
 #if SPECSERVE_AVX2

@@ -6,8 +6,7 @@
 #include "common.h"
 
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales);
-torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                         const torch::Tensor& dmin, const torch::Tensor& scales, const torch::Tensor& mins);
+torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The products release the GIL, as torch's own ops do: a server's other Python threads (its event
@@ -18,7 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("vectorized", [] { return static_cast<bool>(SPECSERVE_AVX2); }, "whether the AVX2 kernels were compiled in");
   m.def("active_isa", [] { return std::string(specserve::active_isa()); },
-        "the vector code the products run: avx512, avx2 or scalar");
+        "the vector code the products run: amx, avx512, avx2 or scalar");
   m.def("force_isa", [](const std::string& name) { specserve::force_isa(name.c_str()); },
-        "run the products on one path (auto, avx512, avx2, scalar); every path gives the same numbers");
+        "run the products on one path (auto, amx, avx512, avx2, scalar); every path gives the same numbers");
 }

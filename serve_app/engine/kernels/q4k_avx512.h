@@ -1,136 +1,157 @@
-// The AVX-512 VNNI forms of the Q4_K product (see ``q4k_linear.cpp`` for the numbers they form);
-// compiled with their own target attribute and chosen at run time (``isa.cpp``).
+// The AVX-512 VNNI form of the Q4_K product (the numbers: ``q4k_tiles.h``): 16 outputs per register.
+// A 64-byte vector of a tile holds 16 outputs x 4 inputs in its low nibbles and 4 more inputs in its
+// high ones; one _mm512_dpbusd_epi32 against the 4 activations broadcast adds each output's 4
+// products; the block's sum times its 16 scales by _mm512_mullo_epi32; the float steps then run for 16 outputs at
+// once, lane o exactly as the scalar code runs output o.
 #pragma once
 
+#include <cstring>
+
 #include "common.h"
-#include "q4k_blocks.h"
+#include "q4k_tiles.h"
 
 namespace specserve::q4k {
 
 #if SPECSERVE_AVX512
-// What the AVX-512 forms share. pick: the 16-bit scale lanes of _mm512_permutexvar_epi16 (the low
-// 256 bits from one block, the high from another). step: one super-block's float step for one
-// (row, output): fold the two halves of the integer lanes into the AVX2 code's eight, add its four
-// min lanes, and multiply-add by [d x 8 | dmin x 4 | 0 x 4] times the row's activation scale.
-// finish: the result from the sixteen float lanes, summed as the AVX2 code sums its registers.
-struct Avx512Q4K {
-  __m512i pick[4];
+inline SPECSERVE_AVX512_FN __m512i broadcast4(const int8_t* p) {  // 4 activations into every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
 
-  SPECSERVE_AVX512_FN Avx512Q4K()
-      : pick{_mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1),
-             _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1),
-             _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1),
-             _mm512_inserti64x4(_mm512_set1_epi16(5), _mm256_set1_epi16(7), 1)} {}
+inline SPECSERVE_AVX512_FN __m512i broadcast_pair(const int16_t* p) {  // 2 int16 into every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
 
-  static SPECSERVE_AVX512_FN __m512 scales(uint16_t d, uint16_t dmin) {
-    return _mm512_maskz_mov_ps(0x0FFF, _mm512_mask_blend_ps(0x0F00, _mm512_set1_ps(half_to_float(d)),
-                                                             _mm512_set1_ps(half_to_float(dmin))));
+// A whole tile (37 cache lines) ``ahead`` tiles before it is needed: one thread's tiles are one
+// sequential stream, and loading them ahead keeps the memory busy while the dot products run.
+inline void prefetch_tile(const uint8_t* t) {
+  for (int64_t line = 0; line < kTileBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(t + line), _MM_HINT_T0);
+}
+constexpr int64_t kPrefetchTiles = 6;
+
+// The mins' integer sums S2 of 16 outputs for one activation row: four dpwssd on the (m, m) pairs.
+inline SPECSERVE_AVX512_FN __m512i min_sums(const __m512i mn16[4], const int16_t* bsum) {
+  __m512i s2 = _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) s2 = _mm512_dpwssd_epi32(s2, mn16[j], broadcast_pair(bsum + 2 * j));
+  return s2;
+}
+
+// The float step of one super-block for 16 outputs of one row (see q4k_tiles.h).
+struct FloatStep {
+  __m512 d, dmin;
+  __m512i mn16[4];
+
+  SPECSERVE_AVX512_FN explicit FloatStep(const Tile& w)
+      : d(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d)))),
+        dmin(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dmin)))) {
+    for (int j = 0; j < 4; ++j)
+      mn16[j] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mn + 32 * j)));
   }
 
-  static SPECSERVE_AVX512_FN __m512 step(__m512 acc, __m512i isum, __m128i mn16, const int16_t* bsum, __m512 dd,
-                                         float xs) {
-    const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(isum), _mm512_extracti64x4_epi64(isum, 1));
-    const __m128i min_lanes = _mm_madd_epi16(mn16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bsum)));
-    const __m512i lanes = _mm512_inserti32x4(_mm512_zextsi256_si512(folded), min_lanes, 2);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(dd, _mm512_set1_ps(xs)), acc);
-  }
-
-  static SPECSERVE_AVX512_FN float finish(__m512 acc) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc);
-    return specserve::lanes_sum8(lanes) - mins_sum4(lanes + 8);
+  SPECSERVE_AVX512_FN void apply(__m512i s1, const int16_t* bsum, float xs, __m512& acc, __m512& mins) const {
+    const __m512 scale = _mm512_set1_ps(xs);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d, scale), acc);
+    mins = _mm512_fmadd_ps(_mm512_cvtepi32_ps(min_sums(mn16, bsum)), _mm512_mul_ps(dmin, scale), mins);
   }
 };
 
-// The AVX-512 VNNI form of dot_group_avx2: a 64-byte load holds two 64-input chunks, its low nibbles
-// blocks 4t and 4t + 2, its high nibbles 4t + 1 and 4t + 3 (activations interleaved to match), and
-// each row takes one _mm512_maddubs_epi16 and one _mm512_dpwssd_epi32 (times the block scales) per
-// 32 bytes of activations. Folding the two 256-bit halves gives exactly the AVX2 code's eight
-// integer lanes (lane L: inputs 4L..4L+3 of every block, scaled), so the float steps that follow are
-// the same and so is every result, bit for bit.
-template <int G>
-SPECSERVE_AVX512_FN void dot_group_avx512(const Q4K& w, const Rows& x, int64_t k, float* out, int64_t out_stride) {
-  const int64_t supers = k / kSuper;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const Avx512Q4K shared;
-  const __m512i* pick = shared.pick;
-  // One float register per row: lanes 0..7 the AVX2 code's eight accumulators, 8..11 its four
-  // min accumulators, 12..15 zero; each lane takes the same fused multiply-adds as there.
-  __m512 acc[G];
-  for (int r = 0; r < G; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* q = w.qs + s * kSuperBytes;
-    // 16 super-blocks (2 KB) ahead: measured 1.2x faster than 4 ahead here at 1 row
-    _mm_prefetch(reinterpret_cast<const char*>(q + 16 * kSuperBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q + 16 * kSuperBytes + 64), _MM_HINT_T0);
-    const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + s * kBlocks));
-    const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sc8));
-    const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + s * kBlocks)));
-    __m512i isum[G];
-    for (int r = 0; r < G; ++r) isum[r] = _mm512_setzero_si512();
-#pragma GCC unroll 2
-    for (int t = 0; t < 2; ++t) {
-      const __m512i bytes = _mm512_loadu_si512(q + 64 * t);
-      const __m512i lo = _mm512_and_si512(bytes, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-      const __m512i sc_lo = _mm512_permutexvar_epi16(pick[2 * t], sc16);
-      const __m512i sc_hi = _mm512_permutexvar_epi16(pick[2 * t + 1], sc16);
-#pragma GCC unroll 8
-      for (int r = 0; r < G; ++r) {
-        const int8_t* xr = x.q + r * k + s * kSuper + 128 * t;
-        isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(xr)), sc_lo);
-        isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(xr + 64)), sc_hi);
-      }
-    }
-    // [d x 8 | dmin x 4 | 0 x 4]: times a row's activation scale, the AVX2 code's two steps
-    const __m512 dd = Avx512Q4K::scales(w.d[s], w.dmin[s]);
-#pragma GCC unroll 8
-    for (int r = 0; r < G; ++r) {
-      acc[r] = Avx512Q4K::step(acc[r], isum[r], mn16, x.bsum + (r * supers + s) * kBlocks, dd, x.scale[r * supers + s]);
-    }
-  }
-  for (int r = 0; r < G; ++r) out[r * out_stride] = Avx512Q4K::finish(acc[r]);
+inline SPECSERVE_AVX512_FN void store_outputs(const Out& out, int64_t row, __m512 acc, __m512 mins) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << out.count) - 1);
+  _mm512_mask_storeu_ps(out.out + row * out.stride, mask, _mm512_sub_ps(acc, mins));
 }
 
-// One activation row against O output rows at once: per output exactly dot_group_avx512<1>'s
-// integer lanes and float steps (so the same bits), with O independent dependency chains in flight
-// and the activations loaded once per super-block for all of them (1.1-1.15x at one row).
-template <int O>
-SPECSERVE_AVX512_FN void dot_outputs_avx512(const Q4K* ws, const Rows& x, int64_t k, float* out) {
-  const int64_t supers = k / kSuper;
+// S1 of one super-block, one activation row (its 256 values at ``xs``) and 16 outputs. The high
+// nibbles are masked in place (16 q, exact: the sum is shifted back by 4).
+inline SPECSERVE_AVX512_FN __m512i row_sums(const Tile& w, const int8_t* xs) {
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512i s1 = _mm512_setzero_si512();
+#pragma GCC unroll 2
+  for (int64_t b = 0; b < kBlocks; ++b) {
+    const int8_t* xb = xs + b * kBlock;
+    __m512i pl = _mm512_setzero_si512(), ph = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      const __m512i bytes = _mm512_loadu_si512(w.qs + (4 * b + v) * 64);
+      pl = _mm512_dpbusd_epi32(pl, _mm512_and_si512(bytes, low), broadcast4(xb + 4 * v));
+      ph = _mm512_dpbusd_epi32(ph, _mm512_and_si512(bytes, high), broadcast4(xb + 16 + 4 * v));
+    }
+    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + kOutputs * b)));
+    s1 = _mm512_add_epi32(s1, _mm512_mullo_epi32(_mm512_add_epi32(pl, _mm512_srai_epi32(ph, 4)), sc));
+  }
+  return s1;
+}
+
+// One activation row against one output group.
+inline SPECSERVE_AVX512_FN void row_avx512(const uint8_t* tiles, const Rows& x, int64_t row, const Out& out) {
+  __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+  const int8_t* xr = x.q + row * x.k;
+  for (int64_t s = 0; s < x.supers; ++s) {
+    const uint8_t* t = tiles + s * kTileBytes;
+    prefetch_tile(t + kPrefetchTiles * kTileBytes);
+    const Tile w(t);
+    const FloatStep step(w);  // first: the tile's lines are read in ascending order
+    step.apply(row_sums(w, xr + s * kSuper), x.bsum + row * (x.k / kBlock) + s * kBlocks, x.scale[row * x.supers + s],
+               acc, mins);
+  }
+  store_outputs(out, row, acc, mins);
+}
+
+// Rows r0 .. r0 + G - 1 (G >= 2) against one output group (its tiles from ``tiles``, super-blocks
+// in order); the nibbles unpacked once for all rows.
+template <int G>
+SPECSERVE_AVX512_FN void group_rows_avx512(const uint8_t* tiles, const Rows& x, int64_t r0, const Out& out) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const Avx512Q4K shared;
-  const __m512i* pick = shared.pick;
-  __m512 acc[O];
-  for (int o = 0; o < O; ++o) acc[o] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < supers; ++s) {
-    const int8_t* xr = x.q + s * kSuper;
-    const __m512i x0 = _mm512_loadu_si512(xr), x1 = _mm512_loadu_si512(xr + 64);
-    const __m512i x2 = _mm512_loadu_si512(xr + 128), x3 = _mm512_loadu_si512(xr + 192);
+  __m512 acc[G], mins[G];
+  for (int r = 0; r < G; ++r) acc[r] = mins[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < x.supers; ++s) {
+    const uint8_t* t = tiles + s * kTileBytes;
+    if (r0 == 0) prefetch_tile(t + kPrefetchTiles * kTileBytes);  // later row groups find it cached
+    const Tile w(t);
+    __m512i s1[G];
+    for (int r = 0; r < G; ++r) s1[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int64_t b = 0; b < kBlocks; ++b) {
+      __m512i lo[4], hi[4];
+      for (int v = 0; v < 4; ++v) {
+        const __m512i bytes = _mm512_loadu_si512(w.qs + (4 * b + v) * 64);
+        lo[v] = _mm512_and_si512(bytes, low);
+        hi[v] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+      }
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + kOutputs * b)));
 #pragma GCC unroll 4
-    for (int o = 0; o < O; ++o) {
-      const Q4K& w = ws[o];
-      const uint8_t* q = w.qs + s * kSuperBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(q + 16 * kSuperBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(q + 16 * kSuperBytes + 64), _MM_HINT_T0);
-      const __m512i sc16 = _mm512_castsi128_si512(
-          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + s * kBlocks))));
-      const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + s * kBlocks)));
-      const __m512i b0 = _mm512_loadu_si512(q), b1 = _mm512_loadu_si512(q + 64);
-      // integer sums are exact in any order: two partial sums, then one add
-      __m512i i0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(_mm512_and_si512(b0, low), x0),
-                                       _mm512_permutexvar_epi16(pick[0], sc16));
-      __m512i i1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(),
-                                       _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(b0, 4), low), x1),
-                                       _mm512_permutexvar_epi16(pick[1], sc16));
-      i0 = _mm512_dpwssd_epi32(i0, _mm512_maddubs_epi16(_mm512_and_si512(b1, low), x2), _mm512_permutexvar_epi16(pick[2], sc16));
-      i1 = _mm512_dpwssd_epi32(i1, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(b1, 4), low), x3),
-                               _mm512_permutexvar_epi16(pick[3], sc16));
-      const __m512 dd = Avx512Q4K::scales(w.d[s], w.dmin[s]);
-      acc[o] = Avx512Q4K::step(acc[o], _mm512_add_epi32(i0, i1), mn16, x.bsum + s * kBlocks, dd, x.scale[s]);
+      for (int r = 0; r < G; ++r) {
+        const int8_t* xb = x.q + (r0 + r) * x.k + s * kSuper + b * kBlock;
+        __m512i block = _mm512_setzero_si512();
+        for (int v = 0; v < 4; ++v) {
+          block = _mm512_dpbusd_epi32(block, lo[v], broadcast4(xb + 4 * v));
+          block = _mm512_dpbusd_epi32(block, hi[v], broadcast4(xb + 16 + 4 * v));
+        }
+        s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(block, sc));
+      }
+    }
+    const FloatStep step(w);
+#pragma GCC unroll 4
+    for (int r = 0; r < G; ++r) {
+      const int64_t row = r0 + r;
+      step.apply(s1[r], x.bsum + row * (x.k / kBlock) + s * kBlocks, x.scale[row * x.supers + s], acc[r], mins[r]);
     }
   }
-  for (int o = 0; o < O; ++o) out[o] = Avx512Q4K::finish(acc[o]);
+  for (int r = 0; r < G; ++r) store_outputs(out, r0 + r, acc[r], mins[r]);
+}
+
+// Every row against one output group, four rows per pass (the group's tiles stay in L1 / L2 for the
+// passes after the first).
+inline SPECSERVE_AVX512_FN void group_avx512(const uint8_t* tiles, const Rows& x, int64_t rows, const Out& out) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) group_rows_avx512<4>(tiles, x, r, out);
+  switch (rows - r) {
+    case 3: group_rows_avx512<3>(tiles, x, r, out); break;
+    case 2: group_rows_avx512<2>(tiles, x, r, out); break;
+    case 1: row_avx512(tiles, x, r, out); break;
+    default: break;
+  }
 }
 #endif
 

@@ -1,26 +1,12 @@
-// Products on the GGUF's Q4_K blocks as they are, with int8 activations: the gguf weight format.
+// Products on the GGUF's Q4_K blocks, tiled for the kernels (``q4k_tiles.h``: the layout and the
+// one definition of the numbers), with int8 activations: the gguf weight format.
 //
-// Weights: llama.cpp's Q4_K, its 6-bit scales unpacked at load. Super-blocks of 256 inputs carry an
-// fp16 scale d and min dmin; their eight blocks of 32 carry integer scales sc[b] and mins m[b] in
-// 0..63, and every input a 4-bit q in 0..15:
-//
-//     w[i] = d * sc[b] * q[i] - dmin * m[b]
-//
-// The 4-bit values keep the file's order: per 64 inputs 32 bytes, whose low nibbles are inputs
-// 0..31 and high nibbles inputs 32..63. Activations are quantized here per row and super-block
-// (llama.cpp's Q8_K): xq = round(x / s), s = max|x| / 127, keeping each block's integer sum. Then
-// a super-block contributes
-//
-//     s * d * (sum_b sc[b] * sum_{i in b} q[i] xq[i])  -  s * dmin * (sum_b m[b] * sum_{i in b} xq[i])
-//
-// where both parenthesized sums are exact integers (|.| < 2^24, so exact as floats too). The float
-// steps run in one order for every (row, output), whatever the number of rows or threads:
-// eight lanes acc += float(integer lanes) * (d * s), four lanes mins += float(min lanes) * (dmin * s)
-// (the min sum as _mm_madd_epi16 pairs it), and the result lanes_sum(acc) - ((m0 + m2) + (m1 + m3)).
-// So a row's result never depends on the other rows (exactness).
-// AVX2: a 32-byte load gives two blocks (mask, shift), each one _mm256_maddubs_epi16 (q <= 15,
-// |xq| <= 127: pair sums fit in int16) and one _mm256_madd_epi16 by the block's scale. Without
-// AVX2 a scalar loop forms the same integer lanes and the same float steps.
+// Paths, chosen at run time (``isa.cpp``), all forming the same integer sums and float steps:
+// - amx: AMX-INT8 tiles for products of at least kAmxMinRows rows (``q4k_amx.h``), else avx512;
+// - avx512: VNNI dot products, 16 outputs per register (``q4k_avx512.h``);
+// - avx2: the same with _mm256_maddubs_epi16 + _mm256_madd_epi16, 8 outputs per register (below);
+// - scalar: plain loops (below), the reference the tests hold the others to.
+// Threads split the output groups, never a dot product.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -28,11 +14,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "common.h"
+#include "q4k_amx.h"
 #include "q4k_avx512.h"
-#include "q4k_blocks.h"
+#include "q4k_tiles.h"
 
 namespace {
 
@@ -40,17 +28,17 @@ using specserve::half_to_float;
 using specserve::Isa;
 using namespace specserve::q4k;
 
-// Where block b (0..7) of a super-block goes in the activations: in order, or for the AVX-512 code
-// interleaved per 128 inputs as blocks 0 2 1 3 (its 64-byte weight loads hold blocks 0 and 2 in the
-// low nibbles and 1 and 3 in the high ones).
-inline int64_t block_slot(int64_t b, bool interleave) {
-  constexpr int64_t kInterleaved[4] = {0, 2, 1, 3};
-  return interleave ? (b & ~int64_t{3}) + kInterleaved[b & 3] : b;
-}
+// From this many rows the AMX path beats the VNNI one (a tile product's fixed cost per block).
+constexpr int64_t kAmxMinRows = 4;
 
-void quantize_rows(const float* x, int64_t rows, int64_t k, bool interleave, int8_t* q, float* scales,
+// Per row and super-block (llama.cpp's Q8_K): xq = round(x / s) in [-127, 127], s = max|x| / 127,
+// and each block's integer sum. Rows from ``rows`` up to ``padded`` are zero.
+void quantize_rows(const float* x, int64_t rows, int64_t padded, int64_t k, int8_t* q, float* scales,
                    int16_t* bsums) {
   const int64_t supers = k / kSuper;
+  std::memset(q + rows * k, 0, (padded - rows) * k);
+  std::fill(scales + rows * supers, scales + padded * supers, 0.f);
+  std::fill(bsums + rows * (k / kBlock), bsums + padded * (k / kBlock), int16_t{0});
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t s = 0; s < supers; ++s) {
@@ -62,10 +50,9 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, bool interleave, int
         int8_t* qs = q + m * k + s * kSuper;
         for (int64_t b = 0; b < kBlocks; ++b) {
           int sum = 0;
-          int8_t* qb = qs + block_slot(b, interleave) * kBlock;
           for (int64_t i = 0; i < kBlock; ++i) {
             const float v = std::clamp(std::nearbyint(xs[b * kBlock + i] * inv), -127.f, 127.f);
-            qb[i] = static_cast<int8_t>(v);
+            qs[b * kBlock + i] = static_cast<int8_t>(v);
             sum += static_cast<int>(v);
           }
           bsums[(m * supers + s) * kBlocks + b] = static_cast<int16_t>(sum);
@@ -76,201 +63,168 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, bool interleave, int
   });
 }
 
-// The min term of one super-block as four exact int32 lanes: lane i = m[2i] bsum[2i] + m[2i+1] bsum[2i+1]
-// (as _mm_madd_epi16 forms them; |.| <= 2 * 63 * 4064).
-inline void min_lanes(const uint8_t* mn, const int16_t* bsum, int32_t lanes[4]) {
-  for (int i = 0; i < 4; ++i)
-    lanes[i] = static_cast<int32_t>(mn[2 * i]) * bsum[2 * i] + static_cast<int32_t>(mn[2 * i + 1]) * bsum[2 * i + 1];
+// q of output o at input i (0..255) of a tile.
+inline int32_t tile_q(const Tile& w, int o, int i) {
+  const int b = i / kBlock, j = i % kBlock, high = j >= 16, v = (j % 16) / 4, e = j % 4;
+  const uint8_t byte = w.qs[(4 * b + v) * 64 + 4 * o + e];
+  return high ? byte >> 4 : byte & 0x0F;
 }
 
-
-#if SPECSERVE_AVX2
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-// Shuffle masks that broadcast 16-bit element b of a 128-bit lane to all eight of its elements.
-alignas(32) const uint8_t kBroadcast16[8][32] = {
-#define SPECSERVE_B(b) {2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, \
-                        2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, \
-                        2*b, 2*b+1, 2*b, 2*b+1}
-    SPECSERVE_B(0), SPECSERVE_B(1), SPECSERVE_B(2), SPECSERVE_B(3),
-    SPECSERVE_B(4), SPECSERVE_B(5), SPECSERVE_B(6), SPECSERVE_B(7),
-#undef SPECSERVE_B
-};
-
-// One weight row against G activation rows; the 4-bit unpacking and the scales are shared by the rows.
-template <int G>
-void dot_group_avx2(const Q4K& w, const Rows& x, int64_t k, float* out, int64_t out_stride) {
-  const int64_t supers = k / kSuper;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[G];
-  __m128 mins[G];
-  for (int r = 0; r < G; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    mins[r] = _mm_setzero_ps();
-  }
-  for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* q = w.qs + s * kSuperBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(q + 4 * kSuperBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q + 4 * kSuperBytes + 64), _MM_HINT_T0);
-    // the eight block scales as int16, in both 128-bit lanes
-    const __m256i sc16 = _mm256_broadcastsi128_si256(
-        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + s * kBlocks))));
-    const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + s * kBlocks)));
-    __m256i isum[G];
-    for (int r = 0; r < G; ++r) isum[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m256i bytes = load32(q + 32 * j);
-      const __m256i lo = _mm256_and_si256(bytes, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      const __m256i sc_lo = _mm256_shuffle_epi8(sc16, load32(kBroadcast16[2 * j]));
-      const __m256i sc_hi = _mm256_shuffle_epi8(sc16, load32(kBroadcast16[2 * j + 1]));
-#pragma GCC unroll 4
-      for (int r = 0; r < G; ++r) {
-        const int8_t* xr = x.q + r * k + s * kSuper + 64 * j;
-        const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(xr)), sc_lo);
-        const __m256i p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(xr + 32)), sc_hi);
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p_lo, p_hi));
-      }
-    }
-    const float d = half_to_float(w.d[s]), dmin = half_to_float(w.dmin[s]);
-#pragma GCC unroll 4
-    for (int r = 0; r < G; ++r) {
-      const float xs = x.scale[r * supers + s];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * xs), acc[r]);
-      const __m128i bsum = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.bsum + (r * supers + s) * kBlocks));
-      const __m128 msum = _mm_cvtepi32_ps(_mm_madd_epi16(mn16, bsum));
-      mins[r] = _mm_fmadd_ps(msum, _mm_set1_ps(dmin * xs), mins[r]);
-    }
-  }
-  for (int r = 0; r < G; ++r) {
-    alignas(16) float m[4];
-    _mm_store_ps(m, mins[r]);
-    out[r * out_stride] = specserve::lanes_sum(acc[r]) - mins_sum4(m);
-  }
-}
-#endif
-
-
-// The same numbers without AVX2: lane L of a block holds its bytes 4L..4L+3, as madd forms them.
-void dot_row_scalar(const Q4K& w, const Rows& x, int64_t k, float* out) {
-  const int64_t supers = k / kSuper;
-  float acc[8] = {};
-  float mins[4] = {};
-  for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* q = w.qs + s * kSuperBytes;
-    int32_t isum[8] = {};
-    for (int j = 0; j < 4; ++j) {
-      for (int half = 0; half < 2; ++half) {
-        const int32_t scale = w.sc[s * kBlocks + 2 * j + half];
-        const int8_t* xb = x.q + s * kSuper + 64 * j + 32 * half;
-        for (int lane = 0; lane < 8; ++lane) {
-          int32_t t = 0;
-          for (int e = 0; e < 4; ++e) {
-            const uint8_t byte = q[32 * j + 4 * lane + e];
-            t += static_cast<int32_t>(half ? byte >> 4 : byte & 0x0F) * xb[4 * lane + e];
-          }
-          isum[lane] += t * scale;
+void group_scalar(const uint8_t* tiles, const Rows& x, int64_t rows, const Out& out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* xr = x.q + r * x.k;
+    for (int o = 0; o < out.count; ++o) {
+      float acc = 0.f, mins = 0.f;
+      for (int64_t s = 0; s < x.supers; ++s) {
+        const Tile w(tiles + s * kTileBytes);
+        int32_t s1 = 0, s2 = 0;
+        for (int b = 0; b < kBlocks; ++b) {
+          int32_t block = 0;
+          for (int i = b * kBlock; i < (b + 1) * kBlock; ++i) block += tile_q(w, o, i) * xr[s * kSuper + i];
+          s1 += static_cast<int32_t>(w.sc[kOutputs * b + o]) * block;
+          const int j = b / 2, half = b % 2;
+          s2 += static_cast<int32_t>(w.mn[32 * j + 2 * o + half]) * x.bsum[(r * x.supers + s) * kBlocks + b];
         }
+        const float xs = x.scale[r * x.supers + s];
+        acc = std::fma(static_cast<float>(s1), half_to_float(w.d[o]) * xs, acc);
+        mins = std::fma(static_cast<float>(s2), half_to_float(w.dmin[o]) * xs, mins);
+      }
+      out.out[r * out.stride + o] = acc - mins;
+    }
+  }
+}
+
+#if SPECSERVE_AVX2
+inline __m256i broadcast4_avx2(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows r0 .. r0 + G - 1 against outputs 8 h .. 8 h + 7 of a group: the 32-byte halves of each
+// vector (u8 nibbles times s8 activations: maddubs pair sums stay below 2 * 15 * 127).
+template <int G>
+void half_rows_avx2(const uint8_t* tiles, const Rows& x, int64_t r0, int h, const Out& out) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[G], mins[G];
+  for (int r = 0; r < G; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < x.supers; ++s) {
+    const Tile w(tiles + s * kTileBytes);
+    __m256i s1[G];
+    for (int r = 0; r < G; ++r) s1[r] = _mm256_setzero_si256();
+    for (int64_t b = 0; b < kBlocks; ++b) {
+      __m256i lo[4], hi[4];
+      for (int v = 0; v < 4; ++v) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (4 * b + v) * 64 + 32 * h));
+        lo[v] = _mm256_and_si256(bytes, low);
+        hi[v] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      }
+      const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + kOutputs * b + 8 * h)));
+      for (int r = 0; r < G; ++r) {
+        const int8_t* xb = x.q + (r0 + r) * x.k + s * kSuper + b * kBlock;
+        __m256i block = _mm256_setzero_si256();
+        for (int v = 0; v < 4; ++v) {
+          block = _mm256_add_epi32(block, _mm256_madd_epi16(_mm256_maddubs_epi16(lo[v], broadcast4_avx2(xb + 4 * v)), ones));
+          block = _mm256_add_epi32(block, _mm256_madd_epi16(_mm256_maddubs_epi16(hi[v], broadcast4_avx2(xb + 16 + 4 * v)), ones));
+        }
+        s1[r] = _mm256_add_epi32(s1[r], _mm256_mullo_epi32(block, sc));
       }
     }
-    const float xs = x.scale[s];
-    const float step = half_to_float(w.d[s]) * xs;
-    for (int lane = 0; lane < 8; ++lane) acc[lane] = std::fma(static_cast<float>(isum[lane]), step, acc[lane]);
-    int32_t msum[4];
-    min_lanes(w.mn + s * kBlocks, x.bsum + s * kBlocks, msum);
-    const float min_step = half_to_float(w.dmin[s]) * xs;
-    for (int i = 0; i < 4; ++i) mins[i] = std::fma(static_cast<float>(msum[i]), min_step, mins[i]);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + 8 * h)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dmin + 8 * h)));
+    __m256i mn16[4];
+    for (int j = 0; j < 4; ++j)
+      mn16[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + 32 * j + 16 * h)));
+    for (int r = 0; r < G; ++r) {
+      const int64_t row = r0 + r;
+      const int16_t* bsum = x.bsum + row * (x.k / kBlock) + s * kBlocks;
+      __m256i s2 = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        int32_t pair;
+        std::memcpy(&pair, bsum + 2 * j, 4);
+        s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(mn16[j], _mm256_set1_epi32(pair)));
+      }
+      const __m256 scale = _mm256_set1_ps(x.scale[row * x.supers + s]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), _mm256_mul_ps(d, scale), acc[r]);
+      mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2), _mm256_mul_ps(dmin, scale), mins[r]);
+    }
   }
-  *out = specserve::lanes_sum8(acc) - mins_sum4(mins);
-}
-
-constexpr int64_t kGroup = 4;  // activation rows sharing each unpacked weight block
-
-template <int G>
-void dot_group(Isa isa, const Q4K& w, const Rows& x, int64_t k, float* out, int64_t out_stride) {
-#if SPECSERVE_AVX512
-  if (isa == Isa::kAvx512) return dot_group_avx512<G>(w, x, k, out, out_stride);
-#endif
-#if SPECSERVE_AVX2
-  if (isa == Isa::kAvx2) return dot_group_avx2<G>(w, x, k, out, out_stride);
-#endif
-  const int64_t supers = k / kSuper, blocks = k / kBlock;
-  for (int64_t r = 0; r < G; ++r) {
-    const Rows one{x.q + r * k, x.scale + r * supers, x.bsum + r * blocks};
-    dot_row_scalar(w, one, k, out + r * out_stride);
+  for (int r = 0; r < G; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_sub_ps(acc[r], mins[r]));
+    for (int o = 8 * h; o < std::min(out.count, 8 * h + 8); ++o) out.out[(r0 + r) * out.stride + o] = lanes[o - 8 * h];
   }
 }
 
-void dot_rows(Isa isa, const Q4K& w, const Rows& x, int64_t rows, int64_t k, float* out, int64_t out_stride) {
-  const int64_t supers = k / kSuper, blocks = k / kBlock;
-  // AVX-512 has the registers for eight rows at a time (fewer unpackings per row in a prefill)
-  const int64_t group_rows = isa == Isa::kAvx512 ? 2 * kGroup : kGroup;
-  for (int64_t m = 0; m < rows; m += group_rows) {
-    const Rows group{x.q + m * k, x.scale + m * supers, x.bsum + m * blocks};
-    float* o = out + m * out_stride;
-    switch (std::min(group_rows, rows - m)) {
-      case 8: dot_group<8>(isa, w, group, k, o, out_stride); break;
-      case 7: dot_group<7>(isa, w, group, k, o, out_stride); break;
-      case 6: dot_group<6>(isa, w, group, k, o, out_stride); break;
-      case 5: dot_group<5>(isa, w, group, k, o, out_stride); break;
-      case 4: dot_group<4>(isa, w, group, k, o, out_stride); break;
-      case 3: dot_group<3>(isa, w, group, k, o, out_stride); break;
-      case 2: dot_group<2>(isa, w, group, k, o, out_stride); break;
-      default: dot_group<1>(isa, w, group, k, o, out_stride); break;
+void group_avx2(const uint8_t* tiles, const Rows& x, int64_t rows, const Out& out) {
+  for (int h = 0; h < 2 && 8 * h < out.count; ++h) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) half_rows_avx2<4>(tiles, x, r, h, out);
+    switch (rows - r) {
+      case 3: half_rows_avx2<3>(tiles, x, r, h, out); break;
+      case 2: half_rows_avx2<2>(tiles, x, r, h, out); break;
+      case 1: half_rows_avx2<1>(tiles, x, r, h, out); break;
+      default: break;
     }
   }
 }
+#endif
 
 }  // namespace
 
-// x [M, K] (float32 or bf16); qs uint8 [N, K / 2]; d, dmin fp16-as-int16 [N, K / 256];
-// scales, mins uint8 [N, K / 32] -> [M, N] float32.
-torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                         const torch::Tensor& dmin, const torch::Tensor& scales, const torch::Tensor& mins) {
-  TORCH_CHECK(x.dim() == 2 && qs.dim() == 2, "q4k_linear: 2-d tensors expected");
-  const int64_t rows = x.size(0), k = x.size(1), n = qs.size(0);
+// x [M, K] (float32 or bf16); tiles uint8 [ceil(N / 16), K / 256, 2368] (``q4k_tiles.h``); n the
+// output features (the last group's missing ones are zero padding) -> [M, N] float32.
+torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n) {
+  TORCH_CHECK(x.dim() == 2, "q4k_linear: x must be 2-d [M, K]");
+  TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == torch::kUInt8 && tiles.size(2) == kTileBytes,
+              "q4k_linear: tiles must be uint8 [groups, K / 256, ", kTileBytes, "]");
+  const int64_t rows = x.size(0), k = x.size(1), groups = tiles.size(0);
   TORCH_CHECK(k % kSuper == 0, "q4k_linear: K must be a multiple of 256, got ", k);
-  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.size(1) == k / 2, "q4k_linear: qs must be uint8 [N, K / 2]");
-  for (const auto* t : {&d, &dmin})
-    TORCH_CHECK(t->scalar_type() == torch::kInt16 && t->size(0) == n && t->size(1) == k / kSuper,
-                "q4k_linear: d and dmin must be fp16 bits as int16 [N, K / 256]");
-  for (const auto* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == torch::kUInt8 && t->size(0) == n && t->size(1) == k / kBlock,
-                "q4k_linear: scales and mins must be uint8 [N, K / 32]");
-  auto xf = x.to(torch::kFloat32).contiguous();
-  auto qc = qs.contiguous(), dc = d.contiguous(), mc = dmin.contiguous();
-  auto sc = scales.contiguous(), mn = mins.contiguous();
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> xs(rows * (k / kSuper));
-  std::vector<int16_t> bsums(rows * (k / kBlock));
+  TORCH_CHECK(tiles.size(1) == k / kSuper, "q4k_linear: the tiles hold ", tiles.size(1) * kSuper,
+              " inputs, x has ", k);
+  TORCH_CHECK(n > (groups - 1) * kOutputs && n <= groups * kOutputs, "q4k_linear: ", groups,
+              " groups of 16 cannot hold ", n, " outputs");
   const Isa isa = specserve::isa();
-  quantize_rows(xf.data_ptr<float>(), rows, k, isa == Isa::kAvx512, xq.data(), xs.data(), bsums.data());
-  const Rows activations{xq.data(), xs.data(), bsums.data()};
+  const bool amx = isa == Isa::kAmx && rows >= kAmxMinRows;
+  // AMX reads whole chunks of 16 rows beyond the first 16: zero rows pad the activations
+  const int64_t padded = amx && rows > kAmxChunk ? (rows + kAmxChunk - 1) / kAmxChunk * kAmxChunk : rows;
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto tc = tiles.contiguous();
+  const int64_t supers = k / kSuper;
+  std::vector<int8_t> xq(padded * k);
+  std::vector<float> xs(padded * supers);
+  std::vector<int16_t> bsums(padded * (k / kBlock));
+  quantize_rows(xf.data_ptr<float>(), rows, padded, k, xq.data(), xs.data(), bsums.data());
+  const Rows activations{xq.data(), xs.data(), bsums.data(), k, supers};
   auto out = torch::empty({rows, n}, torch::kFloat32);
   float* o = out.data_ptr<float>();
-  const auto* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<int16_t>());
-  const auto* mp = reinterpret_cast<const uint16_t*>(mc.data_ptr<int16_t>());
-  // data_ptr<T>() checks the dtype on every call: taken once here (inside the loop it cost ~100 us
-  // per product of 9728 outputs, a third of the product's time).
-  const uint8_t* qp = qc.data_ptr<uint8_t>();
-  const uint8_t* scp = sc.data_ptr<uint8_t>();
-  const uint8_t* mnp = mn.data_ptr<uint8_t>();
-  const auto weight_row = [&](int64_t j) {
-    return Q4K{qp + j * (k / 2), dp + j * (k / kSuper), mp + j * (k / kSuper), scp + j * (k / kBlock),
-               mnp + j * (k / kBlock)};
-  };
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    int64_t j = begin;
+  const uint8_t* tp = tc.data_ptr<uint8_t>();
+  const int64_t group_bytes = supers * kTileBytes;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    const auto group_out = [&](int64_t g) {
+      return Out{o + g * kOutputs, n, static_cast<int>(std::min<int64_t>(kOutputs, n - g * kOutputs))};
+    };
 #if SPECSERVE_AVX512
-    if (rows == 1 && isa == Isa::kAvx512) {  // decode: two outputs per pass (independent chains)
-      for (; j + 1 < end; j += 2) {
-        const Q4K pair[2] = {weight_row(j), weight_row(j + 1)};
-        dot_outputs_avx512<2>(pair, activations, k, o + j);
-      }
+    if (amx) {
+      const specserve::TileScope scope(amx_config(rows));
+      AmxScratch scratch(rows);
+      std::vector<float> acc(rows * kOutputs), mins(rows * kOutputs);
+      for (int64_t g = begin; g < end; ++g)
+        group_amx(tp + g * group_bytes, activations, rows, padded, group_out(g), scratch, acc.data(), mins.data());
+      return;
+    }
+    if (isa == Isa::kAvx512 || isa == Isa::kAmx) {
+      for (int64_t g = begin; g < end; ++g) group_avx512(tp + g * group_bytes, activations, rows, group_out(g));
+      return;
     }
 #endif
-    for (; j < end; ++j) dot_rows(isa, weight_row(j), activations, rows, k, o + j, n);
+#if SPECSERVE_AVX2
+    if (isa == Isa::kAvx2) {
+      for (int64_t g = begin; g < end; ++g) group_avx2(tp + g * group_bytes, activations, rows, group_out(g));
+      return;
+    }
+#endif
+    for (int64_t g = begin; g < end; ++g) group_scalar(tp + g * group_bytes, activations, rows, group_out(g));
   });
   return out;
 }

@@ -184,7 +184,7 @@ template <int G>
 void dot_group(Isa isa, const int8_t* w, const uint16_t* ws, const int8_t* x, const float* sx, int64_t k,
                float* out, int64_t out_stride) {
 #if SPECSERVE_AVX512
-  if (isa == Isa::kAvx512)
+  if (isa == Isa::kAvx512 || isa == Isa::kAmx)
     return dot_group_avx512<G>(w, ws, reinterpret_cast<const uint8_t*>(x), sx, k, out, out_stride);
 #endif
 #if SPECSERVE_AVX2
@@ -227,7 +227,7 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& weight, con
   std::vector<float> xs(rows * (k / kBlock));
   quantize_rows(xf.data_ptr<float>(), rows, k, xq.data(), xs.data());
   const Isa isa = specserve::isa();
-  if (isa == Isa::kAvx512)  // x + 128 as uint8: flipping the sign bit
+  if (isa == Isa::kAvx512 || isa == Isa::kAmx)  // x + 128 as uint8: flipping the sign bit
     for (auto& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
   auto out = torch::empty({rows, n}, torch::kFloat32);
   float* o = out.data_ptr<float>();

@@ -8,7 +8,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from serve_app.engine.quantized import Q4KWeight, Q8Weight
+from serve_app.engine.q4k_weight import Q4KWeight
+from serve_app.engine.quantized import Q8Weight
 from serve_app.packs.extract_blocks import checkpoint_name, matching, q4k_from_blocks, q8_from_blocks
 
 BLOCK_BYTES = {Q.Q4_K: 144, Q.Q8_0: 34, Q.Q5_0: 22, Q.Q4_0: 18}
@@ -34,11 +35,13 @@ def dense_of(weight: Q4KWeight | Q8Weight) -> torch.Tensor:
 
 
 def test_q4k_blocks_keep_every_value() -> None:
-    raw = random_blocks(Q.Q4_K, 6, 512)
-    weight = q4k_from_blocks(raw, 6, 512)
-    want = torch.from_numpy(dequantize(raw, Q.Q4_K).reshape(6, 512))
+    raw = random_blocks(Q.Q4_K, 32, 512)
+    weight = q4k_from_blocks(raw, 32, 512)
+    want = torch.from_numpy(dequantize(raw, Q.Q4_K).reshape(32, 512))
     assert torch.equal(weight.dequantize(), want)
     assert weight.nbytes < raw.nbytes * 1.03  # 4.625 bits per weight against the file's 4.5
+    few = q4k_from_blocks(raw[:6], 6, 512)  # tiles hold 16 outputs: the last one zero-padded
+    assert torch.equal(few.dequantize(), want[:6]) and few.nbytes == weight.nbytes // 2
 
 
 @pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q5_0, Q.Q4_0])
@@ -56,9 +59,7 @@ def test_matching_takes_back_the_llama_row_order() -> None:
     # llama.cpp stores each head's rows as (i, half) where the checkpoint has (half, i)
     heads, per_half = 2, 4
     stored = torch.arange(16).reshape(heads, 2, per_half).transpose(1, 2).reshape(16)
-    as_stored = Q4KWeight(
-        *(getattr(weight, f).index_select(0, stored) for f in Q4KWeight.__dataclass_fields__)
-    )
+    as_stored = Q4KWeight.from_blocks(weight.blocks().select_rows(stored))
     found = matching(as_stored, dense, heads=(heads,))
     assert found is not None and torch.equal(found.dequantize(), weight.dequantize())
     assert matching(as_stored, dense, heads=(8,)) is None  # no order matches: left out, not guessed
