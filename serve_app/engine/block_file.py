@@ -6,7 +6,7 @@ checkpoint's parameter names. Per matrix ``name`` it holds either
 
 - ``name:q4k.qs / .d / .dmin / .scales / .mins``: Q4_K blocks in the GGUF's layout
   (``q4k_weight.Q4KBlocks``; tiled for the kernels when read), or
-- ``name:q8.data / .scales``: int8 values with an fp16 scale per 32 inputs (``quantized.Q8Weight``),
+- ``name:q8.data / .scales``: int8 values with an fp16 scale per 32 inputs (``q8_weight.Q8Blocks``),
   which hold the GGUF's Q8_0, Q5_0 and Q4_0 blocks exactly.
 
 A matrix the file lacks (e.g. a Q6_K one) is re-quantized to Q8 from the dense weights at load.
@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from serve_app.engine.q4k_weight import Q4KBlocks, Q4KWeight
-from serve_app.engine.quantized import Q8Weight
+from serve_app.engine.q8_weight import Q8Blocks, Q8Weight
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
 FORMAT = "specserve-gguf-blocks/1"  # the file's metadata "format"; another value is refused
 Q4K_FIELDS = Q4KBlocks.FIELDS
-Q8_FIELDS = ("data", "scales")
+Q8_FIELDS = Q8Blocks.FIELDS
 
 
 AUTO = "auto"  # a weight format resolved per model folder (resolve_weight_format)
@@ -47,10 +47,9 @@ def resolve_weight_format(requested: str, model_dir: str | Path, device: str = "
 
 def tensors_of(name: str, weight: Q4KWeight | Q8Weight) -> dict[str, torch.Tensor]:
     """The file's entries for one matrix."""
-    if isinstance(weight, Q4KWeight):
-        blocks = weight.blocks()
-        return {f"{name}:q4k.{field}": getattr(blocks, field).contiguous() for field in Q4K_FIELDS}
-    return {f"{name}:q8.{field}": getattr(weight, field).contiguous() for field in Q8_FIELDS}
+    kind, fields = ("q4k", Q4K_FIELDS) if isinstance(weight, Q4KWeight) else ("q8", Q8_FIELDS)
+    blocks = weight.blocks()
+    return {f"{name}:{kind}.{field}": getattr(blocks, field).contiguous() for field in fields}
 
 
 def read_blocks(model_dir: str | Path) -> dict[str, Q4KWeight | Q8Weight]:
@@ -77,5 +76,5 @@ def read_blocks(model_dir: str | Path) -> dict[str, Q4KWeight | Q8Weight]:
             blocks = Q4KBlocks(*(entries[f"q4k.{field}"] for field in Q4K_FIELDS))
             weights[name] = Q4KWeight.from_blocks(blocks)
         else:
-            weights[name] = Q8Weight(*(entries[f"q8.{field}"] for field in Q8_FIELDS))
+            weights[name] = Q8Weight.from_blocks(Q8Blocks(*(entries[f"q8.{field}"] for field in Q8_FIELDS)))
     return weights

@@ -30,7 +30,8 @@ from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
 from serve_app.engine.kv_cache import CacheBatch, KVCache
 from serve_app.engine.packing import LayerPacker, model_packer
-from serve_app.engine.quantized import PaddedInputs, Q8Weight, QuantizedWeight
+from serve_app.engine.q8_weight import Q8Weight
+from serve_app.engine.quantized import PaddedInputs, QuantizedWeight
 from serve_app.engine.weights import (
     WEIGHT_FORMATS,
     Weight,

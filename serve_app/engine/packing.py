@@ -7,10 +7,10 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from serve_app.engine.q4k_weight import Q4KWeight
+from serve_app.engine.q8_weight import Q8Weight
 from serve_app.engine.quantized import (
     Int8Weight,
     PaddedInputs,
-    Q8Weight,
     QuantizedWeight,
     concat_rows,
 )

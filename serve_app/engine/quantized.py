@@ -2,8 +2,8 @@
 
 - ``Int8Weight`` (drafts only): per-output-row int8 through fbgemm's dynamic linear (7-bit
   activations per tensor: a row's result depends on the others, so never for a target).
-- ``Q8Weight``: int8 with an fp16 scale per 32 inputs (llama.cpp's Q8_0), our kernel; also holds
-  the GGUF's Q8_0 / Q5_0 / Q4_0 blocks exactly (their values fit in int8 with the same scale).
+- ``Q8Weight`` (``engine.q8_weight``): int8 with an fp16 scale per 32 inputs (llama.cpp's Q8_0),
+  tiled for our kernel; also holds the GGUF's Q8_0 / Q5_0 / Q4_0 blocks exactly.
 - ``Q4KWeight`` (``engine.q4k_weight``): the GGUF's Q4_K blocks as they are (4.6 bits per weight),
   tiled for our kernel.
 - ``PaddedInputs``: a Q4_K weight whose inputs were zero-padded to a multiple of 256 (the ``q4k``
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.engine.kernels import require_kernels
 from serve_app.engine.q4k_weight import SUPER, Q4KWeight
+from serve_app.engine.q8_weight import Q8Weight
 
 
 def _fbgemm_available() -> bool:
@@ -81,45 +81,6 @@ class Int8Weight:
             out = torch.ops.quantized.linear_dynamic(flat.float(), self.packed, True)  # [M, out] f32
         else:
             out = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self.data, self.scales)
-        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-
-
-@dataclass(frozen=True)
-class Q8Weight:
-    """``weight ≈ int8[out, in] * scale[out, in / 32]``: one fp16 scale per block of 32 inputs (as
-    llama.cpp's Q8_0), multiplied by ``kernels/q8_linear.cpp`` with int8 activations quantized per
-    row and block. Integer block sums and a fixed order of the float steps make every row's result
-    independent of the other rows, so a target may run on it (its numbers are those of these
-    weights: plain and speculative decoding agree with each other, not with the bf16 weights)."""
-
-    data: torch.Tensor  # [out, in] int8
-    scales: torch.Tensor  # [out, in / 32] fp16 bits as int16
-
-    BLOCK = 32
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() + 2 * self.scales.numel()
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Q8Weight:
-        """Per block of 32 inputs: scale = max|w| / 127 (rounded to fp16 first), q = round(w / scale)."""
-        out_features, in_features = weight.shape
-        if in_features % cls.BLOCK:
-            raise ValueError(f"q8 needs input features in multiples of {cls.BLOCK}, got {in_features}")
-        blocks = weight.float().reshape(out_features, in_features // cls.BLOCK, cls.BLOCK)
-        scales = (blocks.abs().amax(dim=-1) / 127.0).to(torch.float16)  # [out, in / 32]
-        divisor = scales.float().unsqueeze(-1)
-        q = torch.where(divisor > 0, torch.round(blocks / divisor.clamp(min=1e-30)), 0.0).clamp(-127, 127)
-        return cls(q.to(torch.int8).reshape(out_features, in_features).contiguous(), scales.view(torch.int16))
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # [M, in]
-        out = require_kernels("q8").q8_linear(flat, self.data, self.scales)  # [M, out] float32
         return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
@@ -183,16 +144,8 @@ def concat_rows(parts: Sequence[Q8Weight | Q4KWeight]) -> Q8Weight | Q4KWeight |
             groups[-1].append(part)
         else:
             groups.append([part])
-    fused = [g[0] if len(g) == 1 else _fuse(g) for g in groups]
+    fused = [g[0] if len(g) == 1 else type(g[0]).concat(g) for g in groups]
     return fused[0] if len(fused) == 1 else RowStack(tuple(fused))
-
-
-def _fuse(group: list) -> Q8Weight | Q4KWeight:
-    kind = type(group[0])
-    if kind is Q4KWeight:
-        return Q4KWeight.concat(group)
-    fields = kind.__dataclass_fields__
-    return kind(**{f: torch.cat([getattr(p, f) for p in group]) for f in fields})
 
 
 QuantizedWeight = Int8Weight | Q8Weight | Q4KWeight | PaddedInputs | RowStack

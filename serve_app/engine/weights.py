@@ -15,10 +15,10 @@ import torch.nn.functional as F
 
 from serve_app.engine.invariance import RowPlan
 from serve_app.engine.q4k_weight import Q4KWeight
+from serve_app.engine.q8_weight import Q8Weight
 from serve_app.engine.quantized import (
     Int8Weight,
     PaddedInputs,
-    Q8Weight,
     QuantizedWeight,
     RowStack,
 )

@@ -22,7 +22,7 @@ import torch
 
 from serve_app.engine.block_file import BLOCKS_FILE, FORMAT, tensors_of
 from serve_app.engine.q4k_weight import Q4KBlocks, Q4KWeight
-from serve_app.engine.quantized import Q8Weight
+from serve_app.engine.q8_weight import Q8Blocks, Q8Weight
 
 LAYER_MATRICES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -76,7 +76,7 @@ def q8_from_blocks(raw: np.ndarray, rows: int, cols: int, quant_type: object) ->
     scale = d.astype(np.float32)[..., None]
     ints = np.where(scale != 0, np.round(values / np.where(scale != 0, scale, 1)), 0)
     data = torch.from_numpy(ints.astype(np.int8).reshape(rows, cols))
-    return Q8Weight(data, torch.from_numpy(d.view(np.int16).copy()))
+    return Q8Weight.from_blocks(Q8Blocks(data, torch.from_numpy(d.view(np.int16).copy())))
 
 
 def _row_orders(rows: int, heads: tuple[int, ...]) -> list[torch.Tensor | None]:
@@ -92,17 +92,11 @@ def _row_orders(rows: int, heads: tuple[int, ...]) -> list[torch.Tensor | None]:
 
 
 def _reorder(weight: Q4KWeight | Q8Weight, index: torch.Tensor) -> Q4KWeight | Q8Weight:
-    if isinstance(weight, Q4KWeight):
-        return Q4KWeight.from_blocks(weight.blocks().select_rows(index))
-    fields = type(weight).__dataclass_fields__
-    return type(weight)(**{f: getattr(weight, f).index_select(0, index).contiguous() for f in fields})
+    return type(weight).from_blocks(weight.blocks().select_rows(index))
 
 
 def _dequantized(weight: Q4KWeight | Q8Weight) -> torch.Tensor:
-    if isinstance(weight, Q4KWeight):
-        return weight.dequantize()
-    scales = weight.scales.view(torch.float16).float()
-    return (weight.data.float().reshape(*scales.shape, 32) * scales[..., None]).reshape(weight.shape)
+    return weight.dequantize()
 
 
 def matching(

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from serve_app.engine.block_file import BLOCKS_FILE, FORMAT, read_blocks, resolve_weight_format, tensors_of
 from serve_app.engine.kernels import kernels_module
 from serve_app.engine.q4k_weight import Q4KWeight
-from serve_app.engine.quantized import Q8Weight
+from serve_app.engine.q8_weight import Q8Weight
 
 
 def write_blocks(folder: Path, weights: dict, fmt: str = FORMAT) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from serve_app.engine.kernels import kernels_module
 from serve_app.engine.q4k_weight import Q4KWeight
-from serve_app.engine.quantized import Q8Weight
+from serve_app.engine.q8_weight import Q8Weight
 from tests.engine.quantized_helpers import require_built_kernels
 
 require_built_kernels()
@@ -47,8 +47,8 @@ def products_on_every_path(module, weight, x: torch.Tensor) -> dict[str, torch.T
     return out
 
 
-# in_features: one super-block; the Qwen 1.5B widths; for q8 also block counts that leave a tail of
-# 1..3 blocks after the groups of four (50 and 51 blocks)
+# in_features: one super-block; the Qwen 1.5B widths; for q8 also an even and an odd number of
+# blocks (50 and 51: the last tile half empty)
 # rows: 1 = decode; 3 = the VNNI path's groups of rows; 4 = AMX's first width; 9 = groups of 4, 4
 # and 1 (VNNI) or one tile (AMX); 17 and 33 = AMX chunks of 16 with a zero-padded tail. 67 outputs:
 # four groups of 16 and a last group of 3
@@ -68,12 +68,13 @@ def test_q4k_paths_agree(kernels, in_features: int, rows: int) -> None:
     torch.testing.assert_close(reference, x @ weight.dequantize().T, rtol=0.05, atol=tolerance)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
 @pytest.mark.parametrize("in_features", [256, 1536, 1600, 1632, 8960])
-def test_q8_paths_agree(kernels, in_features: int) -> None:
+def test_q8_paths_agree(kernels, in_features: int, rows: int) -> None:
     torch.manual_seed(in_features)
     dense = torch.randn(67, in_features) * 0.05
     weight = Q8Weight.quantize(dense)
-    x = torch.randn(9, in_features)
+    x = torch.randn(rows, in_features)
     out = products_on_every_path(kernels, weight, x)
     assert len(out) >= 2, f"only {list(out)} here"
     reference = out["scalar"]

@@ -14,7 +14,7 @@ from serve_app.engine.exactness import make_exact
 from serve_app.engine.invariance import probe_rows
 from serve_app.engine.kernels import kernels_module
 from serve_app.engine.model import DecoderModel
-from serve_app.engine.quantized import Q8Weight
+from serve_app.engine.q8_weight import Q8Blocks, Q8Weight
 from serve_app.engine.weights import linear
 from tests.conftest import make_tiny_engine, make_tiny_hf_model
 from tests.engine.quantized_helpers import assert_speculation_equals_plain, require_built_kernels
@@ -28,23 +28,42 @@ def reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     inverse = torch.where(scale > 0, 1.0 / scale.clamp(min=1e-30), 0.0)  # the kernel multiplies by 1 / s
     xq = torch.round(blocks * inverse) * scale
-    w = (
-        weight.data.double().reshape(weight.shape[0], -1, 32)
-        * weight.scales.view(torch.float16).double()[..., None]
-    )
-    return xq.reshape(x.shape).double() @ w.reshape(weight.shape).T
+    return xq.reshape(x.shape).double() @ weight.dequantize().double().T
 
 
 def test_quantized_weights_are_close_to_the_dense_ones() -> None:
     weight = torch.randn(64, 256)
     q = Q8Weight.quantize(weight)
-    dense = (q.data.float().reshape(64, 8, 32) * q.scales.view(torch.float16).float()[..., None]).reshape(
-        64, 256
-    )
-    assert (dense - weight).abs().max() <= weight.abs().max() / 127
-    assert q.nbytes == 64 * 256 + 2 * 64 * 8
+    assert (q.dequantize() - weight).abs().max() <= weight.abs().max() / 127
+    assert q.nbytes == 64 * 256 + 2 * 64 * 8  # 8.5 bits per weight
     with pytest.raises(ValueError, match="multiples of 32"):
         Q8Weight.quantize(torch.randn(4, 40))
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 64), (40, 320), (67, 1632), (5, 32)])
+def test_tiles_hold_the_blocks_exactly(out_features: int, in_features: int) -> None:
+    """The kernel's layout is a permutation of the plain one (values offset by 128): both ways round."""
+    torch.manual_seed(out_features)
+    blocks = Q8Blocks.quantize(torch.randn(out_features, in_features))
+    weight = Q8Weight.from_blocks(blocks)
+    assert weight.tiles.shape == (-(-out_features // 16), -(-in_features // 64), 1088)
+    back = weight.blocks()
+    assert torch.equal(back.data, blocks.data) and torch.equal(back.scales, blocks.scales)
+    # what q8_tiles.h says: the scales of a tile's two blocks first, then its values (u = q + 128)
+    tile = weight.tiles[0, 0]
+    assert tile[2 * 3 : 2 * 3 + 2].view(torch.int16).item() == blocks.scales[3, 0].item()
+    assert tile[64 + 64 * 1 + 4 * 3 + 2].item() == blocks.data[3, 6].item() + 128
+
+
+def test_the_kernel_refuses_mismatched_tiles() -> None:
+    weight = Q8Weight.quantize(torch.randn(40, 320))
+    kernels = kernels_module()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.q8_linear(torch.randn(1, 40), weight.tiles, 40)
+    with pytest.raises(RuntimeError, match="the tiles hold 320 inputs, x has 256"):
+        kernels.q8_linear(torch.randn(1, 256), weight.tiles, 40)
+    with pytest.raises(RuntimeError, match="3 groups of 16 cannot hold 30 outputs"):
+        kernels.q8_linear(torch.randn(1, 320), weight.tiles, 30)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -52,7 +71,7 @@ def test_the_kernel_computes_the_quantized_product(dtype) -> None:
     torch.manual_seed(0)
     weight = Q8Weight.quantize(torch.randn(96, 320))
     x = torch.randn(5, 320).to(dtype)
-    got = kernels_module().q8_linear(x, weight.data, weight.scales)
+    got = kernels_module().q8_linear(x, weight.tiles, weight.out_features)
     want = reference(x, weight)
     assert got.dtype == torch.float32 and got.shape == (5, 96)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)

@@ -5,7 +5,7 @@
 
 #include "common.h"
 
-torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales);
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n);
 torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

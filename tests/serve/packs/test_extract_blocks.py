@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from serve_app.engine.q4k_weight import Q4KWeight
-from serve_app.engine.quantized import Q8Weight
+from serve_app.engine.q8_weight import Q8Weight
 from serve_app.packs.extract_blocks import checkpoint_name, matching, q4k_from_blocks, q8_from_blocks
 
 BLOCK_BYTES = {Q.Q4_K: 144, Q.Q8_0: 34, Q.Q5_0: 22, Q.Q4_0: 18}
@@ -28,10 +28,7 @@ def random_blocks(kind: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def dense_of(weight: Q4KWeight | Q8Weight) -> torch.Tensor:
-    if isinstance(weight, Q4KWeight):
-        return weight.dequantize()
-    scales = weight.scales.view(torch.float16).float()
-    return (weight.data.float().reshape(*scales.shape, 32) * scales[..., None]).reshape(weight.shape)
+    return weight.dequantize()
 
 
 def test_q4k_blocks_keep_every_value() -> None:
