@@ -109,4 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fill-s", type=float, default=60.0, help="--first-minute: seconds the first replica fills Redis"
     )
     parser.add_argument("--window-s", type=float, default=10.0, help="--first-minute: the table's window")
+    parser.add_argument(
+        "--server-path",
+        action="store_true",
+        help="also stream each prompt through `specserve serve` (started here, same settings) with the "
+        "openai client, plain and auto, against the same methods in-process (needs --methods with "
+        "specserve-plain and specserve-auto); see loadtest/bench/server_path.py",
+    )
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and Markdown results")

@@ -19,6 +19,7 @@ from typing import Any
 
 from loadtest.bench.method_names import ASSISTED, PLAIN, Family, parse_method
 from loadtest.bench.results import BenchResult, Run
+from loadtest.bench.server_path import server_path_markdown
 from loadtest.bench.sweeps import cost_curve_markdown, cost_curve_summary, sweep_markdown, sweep_summary
 from loadtest.catalogue import KINDS
 
@@ -216,6 +217,8 @@ def to_markdown(result: BenchResult) -> str:
         lines.append(sweep_markdown(result.sweep))
     if result.cost_curve is not None:
         lines.append(cost_curve_markdown(result.cost_curve))
+    if result.server_path is not None:
+        lines.append(server_path_markdown(result.server_path, result.max_tokens, result.repeats))
     return "\n".join(lines)
 
 

@@ -63,6 +63,7 @@ class BenchResult:
     cost_curve: CostCurve | None = None
     # method -> the bytes its own target reads per token where its weight format differs (``+gguf``)
     method_bytes: dict[str, int] = field(default_factory=dict)
+    server_path: list[dict[str, Any]] | None = None  # ``loadtest.bench.server_path`` rows
 
 
 def write_table(out: str, prefix: str, markdown: str, rows: list[dict[str, Any]]) -> Path:

@@ -31,6 +31,8 @@ from typing import Any
 
 from loadtest.bench.engine import bench_engine, drop_unfit_defaults, require_model, target_folder
 from loadtest.bench.llama_cpp import llama_cpp_method
+from loadtest.bench.llama_server import NAME as SERVER_NAME
+from loadtest.bench.llama_server import peer_sweep
 from loadtest.bench.machine import (
     bytes_per_token,
     kv_bytes_per_position,
@@ -53,6 +55,8 @@ from loadtest.bench.methods import our_methods
 from loadtest.bench.report import to_json, to_markdown
 from loadtest.bench.results import BenchResult, Method, PromptResult
 from loadtest.bench.self_spec import sweep_depths
+from loadtest.bench.server_path import MODES as SERVER_MODES
+from loadtest.bench.server_path import measure_server_path
 from loadtest.bench.sweeps import SWEEP_PLAIN, measure_cost_curve, measure_sweep, sweep_modes
 from loadtest.bench.transformers_methods import transformers_methods
 from loadtest.catalogue import BENCH, Prompt, of_kinds
@@ -177,6 +181,22 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
         depths_of = sweep_depths(engine, modes, target_folder(settings), settings)
         sweep = measure_sweep(engine, [encoded[p] for p in prompts], concurrencies, n, spec.depth,
                               args.repeats, modes, mode_depths=depths_of)  # fmt: skip
+        if LLAMA_CPP in names:  # the peer of the sweep: llama.cpp's server, as many slots
+            import torch
+
+            threads = rt.threads or torch.get_num_threads()
+            sweep.peer = peer_sweep(model_store(settings), ref, [encoded[p] for p in prompts], concurrencies,
+                                    n, args.repeats, threads)  # fmt: skip
+            sweep.peer_name = SERVER_NAME
+    server_rows = None
+    if args.server_path:
+        by_name = {m.name: m for m in methods}
+        missing = [name for name in SERVER_MODES.values() if name not in by_name]
+        if missing:
+            raise ValueError(f"--server-path needs the methods {', '.join(missing)}")
+        mode_methods = {mode: by_name[name] for mode, name in SERVER_MODES.items()}
+        server_rows = measure_server_path(mode_methods, settings, prompts, encoded, n, args.repeats,
+                                          Path(args.out), engine.tokenizer.decode)  # fmt: skip
     drafter = next((engine.proposers[p] for p in model_proposers() if p in engine.proposers), None)
     cost_curve = None
     if args.cost_curve:
@@ -190,6 +210,7 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
         machine={**machine_info(), "device": str(model.device)},
         draft=getattr(settings.model, role) if role and (drafter or ASSISTED in names) else None,
         method_notes={m.name: m.description for m in methods}, sweep=sweep, cost_curve=cost_curve,
+        server_path=server_rows,
         method_bytes={p.name: bytes_per_token(engine_for(p.weight_format).model) for p in ours},
     )  # fmt: skip
     write_report(result, args.out)

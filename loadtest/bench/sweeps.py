@@ -71,6 +71,9 @@ class Sweep:
     modes: list[str]
     points: list[SweepPoint]
     mode_depths: dict[str, int] = field(default_factory=dict)  # a mode's own depth, over ``depth``
+    # a peer's timed batches per concurrency, (tokens, seconds) each: llama.cpp's server
+    peer: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    peer_name: str = ""
 
     def depth_of(self, mode: str) -> int:
         return self.mode_depths.get(mode, self.depth)
@@ -147,6 +150,8 @@ def sweep_summary(sweep: Sweep) -> dict[str, Any]:
             "acceptance": {m: sum(r.accepted for r in p.runs[m]) / drafted[m] for m in rate if drafted[m]},
             "differs": {m: max(d) for m, d in differs.items() if d and m != SWEEP_PLAIN},
         })  # fmt: skip
+        if runs := sweep.peer.get(p.concurrency):
+            rows[-1]["peer_tok_s"] = statistics.median(t / s for t, s in runs)
     speculative = [m for m in sweep.modes if m != SWEEP_PLAIN]
     stops = {
         m: next((r["concurrency"] for r in rows if r["ratio"].get(m, 1.0) < 1.0), None) for m in speculative
@@ -161,6 +166,8 @@ def sweep_markdown(sweep: Sweep) -> str:
     speculative = [m for m in sweep.modes if m != SWEEP_PLAIN]
     head = ["concurrent requests", *(["plain tok/s"] if SWEEP_PLAIN in sweep.modes else [])]
     head += [c for m in speculative for c in (f"{label[m]} tok/s", f"{label[m]} / plain", f"{m} acceptance")]
+    peer = sweep.peer_name if sweep.peer else ""
+    head += [f"{peer} tok/s", f"best of ours / {peer}"] if peer else []
     head += ["outputs differing from plain"]
     lines = ["### Batch sweep", "",
              f"Greedy, {sweep.max_tokens} new tokens per request (EOS ignored), all submitted at once; "
@@ -174,6 +181,13 @@ def sweep_markdown(sweep: Sweep) -> str:
             ratio, acc = r["ratio"].get(m), r["acceptance"].get(m)
             cells += [f"{r['tok_s'][m]:.2f}", "-" if ratio is None else f"{ratio:.2f}x",
                       "-" if acc is None else f"{acc:.0%}"]  # fmt: skip
+        if peer:
+            theirs = r.get("peer_tok_s")
+            cells += (
+                ["-", "-"]
+                if theirs is None
+                else [f"{theirs:.2f}", f"{max(r['tok_s'].values()) / theirs:.2f}x"]
+            )
         cells.append(", ".join(f"{m} {r['differs'][m]}/{c}" for m in speculative if m in r["differs"]) or "-")
         lines.append("| " + " | ".join(cells) + " |")
     stops = [f"{label[m]} at {c} concurrent requests" if c else f"{label[m]}: pays at every concurrency"
