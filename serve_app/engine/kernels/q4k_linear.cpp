@@ -30,6 +30,7 @@ using namespace specserve::q4k;
 
 // From this many rows the AMX path beats the VNNI one (a tile product's fixed cost per block).
 constexpr int64_t kAmxMinRows = 4;
+constexpr int64_t kChunkGroups = 32;  // output groups per chunk of work (parallel_chunks)
 
 // Per row and super-block (llama.cpp's Q8_K): xq = round(x / s) in [-127, 127], s = max|x| / 127,
 // and each block's integer sum. Rows from ``rows`` up to ``padded`` are zero.
@@ -200,7 +201,7 @@ torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& tiles, int
   float* o = out.data_ptr<float>();
   const uint8_t* tp = tc.data_ptr<uint8_t>();
   const int64_t group_bytes = supers * kTileBytes;
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+  specserve::parallel_chunks(groups, kChunkGroups, [&](int64_t begin, int64_t end) {
     const auto group_out = [&](int64_t g) {
       return Out{o + g * kOutputs, n, static_cast<int>(std::min<int64_t>(kOutputs, n - g * kOutputs))};
     };

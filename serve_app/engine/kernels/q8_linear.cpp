@@ -29,6 +29,7 @@ using specserve::Isa;
 using namespace specserve::q8;
 
 constexpr int64_t kAmxMinRows = 8;  // from here AMX beats VNNI (a tile product's fixed cost per block)
+constexpr int64_t kChunkGroups = 8;  // output groups per chunk of work (parallel_chunks)
 
 // Per row and block: q = round(x / s) in [-127, 127], s = max|x| / 127 (0 for an all-zero block),
 // and 128 * sum(q). Rows from ``rows`` up to ``padded`` are zero.
@@ -157,7 +158,7 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& tiles, int6
   float* o = out.data_ptr<float>();
   const uint8_t* tp = tc.data_ptr<uint8_t>();
   const int64_t group_bytes = tiles.size(1) * kTileBytes;
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+  specserve::parallel_chunks(groups, kChunkGroups, [&](int64_t begin, int64_t end) {
     const auto group_out = [&](int64_t g) {
       return Out{o + g * kOutputs, n, static_cast<int>(std::min<int64_t>(kOutputs, n - g * kOutputs))};
     };
