@@ -1,6 +1,13 @@
-"""Attention over the KV cache for few queries (decode, verification), exact in the rows."""
+"""Attention over the KV cache for few queries (decode, verification), exact in the rows.
+
+float32 on a CPU runs our kernel (``kernels/layer_ops.cpp``: each query alone, in one fixed order,
+so it is exact in the rows by construction and needs no padding); other dtypes and devices run the
+torch form below, padded where the device needs it (``engine.exactness``).
+"""
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 
@@ -37,6 +44,9 @@ def grouped_attention(
     bsz, heads, steps, dim = q.shape
     kv_heads = keys.shape[1]
     width = keys.shape[2] if width is None else width
+    if (native := native_kernels(q)) is not None:
+        visible = mask[:, 0] if mask is not None else _NONE
+        return native.small_attention(q, keys, values, visible, width, scale).transpose(1, 2)  # [B, H, T, D]
     group = heads // kv_heads
     rows = group * steps
     padded_rows = plan.padded(rows) if plan is not None else rows
@@ -68,6 +78,21 @@ def grouped_attention(
     probs = scores.softmax(dim=-1).to(values.dtype)
     out = _weighted_values(probs, values)  # [B, H_kv, rows, D]
     return out[:, :, :rows].reshape(bsz, heads, steps, dim)  # [B, H, T, D]
+
+
+_NONE = torch.empty(0, dtype=torch.bool)  # no mask: every query sees every key up to the width
+
+
+@cache
+def _kernels() -> object | None:
+    from serve_app.engine.kernels import kernels_module
+
+    return kernels_module()
+
+
+def native_kernels(q: torch.Tensor) -> object | None:
+    """Our kernels where they take this query (float32 on a CPU), else None."""
+    return _kernels() if q.dtype == torch.float32 and q.device.type == "cpu" else None
 
 
 def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

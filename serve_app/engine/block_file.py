@@ -7,7 +7,8 @@ checkpoint's parameter names. Per matrix ``name`` it holds either
 - ``name:q4k.qs / .d / .dmin / .scales / .mins``: Q4_K blocks in the GGUF's layout
   (``q4k_weight.Q4KBlocks``; tiled for the kernels when read), or
 - ``name:q8.data / .scales``: int8 values with an fp16 scale per 32 inputs (``q8_weight.Q8Blocks``),
-  which hold the GGUF's Q8_0, Q5_0 and Q4_0 blocks exactly.
+  which hold the GGUF's Q8_0, Q5_0 and Q4_0 blocks exactly (read as ``Q5Weight`` where every value
+  fits in 5 bits).
 
 A matrix the file lacks (e.g. a Q6_K one) is re-quantized to Q8 from the dense weights at load.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from serve_app.engine.q4k_weight import Q4KBlocks, Q4KWeight
-from serve_app.engine.q8_weight import Q8Blocks, Q8Weight
+from serve_app.engine.q8_weight import Q5Weight, Q8Blocks, Q8Weight, fits_q5
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
 FORMAT = "specserve-gguf-blocks/1"  # the file's metadata "format"; another value is refused
@@ -76,5 +77,7 @@ def read_blocks(model_dir: str | Path) -> dict[str, Q4KWeight | Q8Weight]:
             blocks = Q4KBlocks(*(entries[f"q4k.{field}"] for field in Q4K_FIELDS))
             weights[name] = Q4KWeight.from_blocks(blocks)
         else:
-            weights[name] = Q8Weight.from_blocks(Q8Blocks(*(entries[f"q8.{field}"] for field in Q8_FIELDS)))
+            plain = Q8Blocks(*(entries[f"q8.{field}"] for field in Q8_FIELDS))
+            # the GGUF's Q5_0 / Q4_0 blocks: the same numbers from 5 bits
+            weights[name] = (Q5Weight if fits_q5(plain) else Q8Weight).from_blocks(plain)
     return weights

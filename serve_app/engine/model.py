@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from serve_app.engine.attention import VALUE_CHUNK, grouped_attention
+from serve_app.engine.attention import VALUE_CHUNK, grouped_attention, native_kernels
 from serve_app.engine.block_file import BLOCKS_FILE, blocks_path, read_blocks
 from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
@@ -42,6 +42,8 @@ from serve_app.engine.weights import (
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if (native := native_kernels(x)) is not None and weight.dtype == torch.float32:  # one call, not eight ops
+        return native.rms_norm(x, weight, eps)
     # As transformers computes it: statistics in float32, scale in the model dtype.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

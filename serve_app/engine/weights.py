@@ -104,8 +104,8 @@ def product_kind(weight: Weight) -> str:
     """What decides a product's kernel: the format, dtype and shape (one row probe per kind)."""
     if isinstance(weight, Int8Weight):
         return f"int8 {weight.out_features}x{weight.in_features}"
-    if isinstance(weight, Q8Weight):
-        return f"q8 {weight.shape[0]}x{weight.shape[1]}"
+    if isinstance(weight, Q8Weight):  # Q5Weight too: its own kernel, so its own kind
+        return f"q{weight.BITS} {weight.shape[0]}x{weight.shape[1]}"
     if isinstance(weight, Q4KWeight):
         return f"q4k {weight.shape[0]}x{weight.shape[1]}"
     if isinstance(weight, PaddedInputs):

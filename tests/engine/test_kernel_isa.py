@@ -12,7 +12,7 @@ import torch
 
 from serve_app.engine.kernels import kernels_module
 from serve_app.engine.q4k_weight import Q4KWeight
-from serve_app.engine.q8_weight import Q8Weight
+from serve_app.engine.q8_weight import Q5Weight, Q8Weight
 from tests.engine.quantized_helpers import require_built_kernels
 
 require_built_kernels()
@@ -68,19 +68,22 @@ def test_q4k_paths_agree(kernels, in_features: int, rows: int) -> None:
     torch.testing.assert_close(reference, x @ weight.dequantize().T, rtol=0.05, atol=tolerance)
 
 
+@pytest.mark.parametrize("five_bits", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 @pytest.mark.parametrize("in_features", [256, 1536, 1600, 1632, 8960])
-def test_q8_paths_agree(kernels, in_features: int, rows: int) -> None:
+def test_q8_paths_agree(kernels, in_features: int, rows: int, five_bits: bool) -> None:
     torch.manual_seed(in_features)
     dense = torch.randn(67, in_features) * 0.05
-    weight = Q8Weight.quantize(dense)
+    weight = (Q5Weight if five_bits else Q8Weight).quantize(dense)
     x = torch.randn(rows, in_features)
     out = products_on_every_path(kernels, weight, x)
     assert len(out) >= 2, f"only {list(out)} here"
     reference = out["scalar"]
     for path, result in out.items():
         assert torch.equal(result, reference), path
-    torch.testing.assert_close(reference, x @ dense.T, rtol=0.05, atol=0.05 * (in_features / 256) ** 0.5)
+    torch.testing.assert_close(
+        reference, x @ weight.dequantize().T, rtol=0.05, atol=0.05 * (in_features / 256) ** 0.5
+    )
 
 
 def test_the_engine_takes_the_best_path_and_refuses_unknown_ones(kernels) -> None:

@@ -1,5 +1,6 @@
-"""Our compiled kernels, built once by the install step: the Q8 product (``q8_linear.cpp``) and the
-Q4_K product (``q4k_linear.cpp``), one Python module (``module.cpp``).
+"""Our compiled kernels, built once by the install step: the Q8 product (``q8_linear.cpp``), the
+Q4_K product (``q4k_linear.cpp``), a layer's small float32 steps (``layer_ops.cpp``: RMS norm, the
+attention of few queries), one Python module (``module.cpp``).
 
 ``serve_app.native_build`` compiles the C++ sources with torch's extension builder into
 ``_build/`` beside them (``make install`` runs it); this package only loads what was built, so the
@@ -18,7 +19,10 @@ from types import ModuleType
 SOURCE_DIR = Path(__file__).resolve().parent
 BUILD_DIR = SOURCE_DIR / "_build"
 MODULE_NAME = "specserve_kernels"
-SOURCES = tuple(SOURCE_DIR / name for name in ("isa.cpp", "q8_linear.cpp", "q4k_linear.cpp", "module.cpp"))
+SOURCES = tuple(
+    SOURCE_DIR / name
+    for name in ("isa.cpp", "q8_linear.cpp", "q4k_linear.cpp", "layer_ops.cpp", "module.cpp")
+)
 BUILD_COMMAND = "python -m serve_app.native_build"
 
 

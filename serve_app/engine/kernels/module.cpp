@@ -5,15 +5,23 @@
 
 #include "common.h"
 
-torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n);
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n, int64_t bits);
 torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor small_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                              const torch::Tensor& visible, int64_t width, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The products release the GIL, as torch's own ops do: a server's other Python threads (its event
   // loop, the streaming of tokens) run meanwhile instead of stalling the engine thread for the GIL.
-  m.def("q8_linear", &q8_linear, "x @ dequant(Q8 weight).T with int8 activations (exact in the rows)",
+  m.def("q8_linear", &q8_linear, "x @ dequant(Q8 or Q5 weight).T with int8 activations (exact in the rows)",
         py::call_guard<py::gil_scoped_release>());
   m.def("q4k_linear", &q4k_linear, "x @ dequant(Q4_K weight).T with int8 activations (exact in the rows)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2) + eps) per row (float32, exact in the rows)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("small_attention", &small_attention,
+        "grouped-query attention of few queries over cache views (float32, exact in the rows)",
         py::call_guard<py::gil_scoped_release>());
   m.def("vectorized", [] { return static_cast<bool>(SPECSERVE_AVX2); }, "whether the AVX2 kernels were compiled in");
   m.def("active_isa", [] { return std::string(specserve::active_isa()); },

@@ -1,5 +1,6 @@
 // Products on int8 weights with an fp16 scale per 32 inputs, tiled for the kernels (``q8_tiles.h``:
-// the layout and the one definition of the numbers), with int8 activations: the Q8 weight format.
+// the layout and the one definition of the numbers), with int8 activations: the Q8 weight format,
+// and Q5 (values in [-16, 15] stored in 5 bits: the same numbers from 35% fewer bytes).
 //
 // Paths, chosen at run time (``isa.cpp``), all forming the same integer sums and float steps:
 // - amx: AMX-INT8 tiles for products of at least kAmxMinRows rows (``q8_amx.h``), else avx512;
@@ -15,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -32,7 +34,7 @@ constexpr int64_t kAmxMinRows = 8;  // from here AMX beats VNNI (a tile product'
 constexpr int64_t kChunkGroups = 8;  // output groups per chunk of work (parallel_chunks)
 
 // Per row and block: q = round(x / s) in [-127, 127], s = max|x| / 127 (0 for an all-zero block),
-// and 128 * sum(q). Rows from ``rows`` up to ``padded`` are zero.
+// and sum(q). Rows from ``rows`` up to ``padded`` are zero.
 void quantize_rows(const float* x, int64_t rows, int64_t padded, int64_t k, int8_t* q, float* scales,
                    int32_t* xsums) {
   const int64_t blocks = k / kBlock;
@@ -54,22 +56,23 @@ void quantize_rows(const float* x, int64_t rows, int64_t padded, int64_t k, int8
           sum += qb[i];
         }
         scales[m * blocks + b] = s;
-        xsums[m * blocks + b] = 128 * sum;
+        xsums[m * blocks + b] = sum;
       }
     }
   });
 }
 
+template <class V>
 void group_scalar(const uint8_t* tiles, const Rows& x, int64_t rows, const Out& out) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int o = 0; o < out.count; ++o) {
       float acc[2] = {0.f, 0.f};
       for (int64_t b = 0; b < x.blocks; ++b) {
-        const uint8_t* u = block_values(tiles, b);
+        const uint8_t* u = block_values<V>(tiles, b);
         const int8_t* xb = x.q + r * x.k + b * kBlock;
         int32_t p = 0;
-        for (int i = 0; i < kBlock; ++i) p += (static_cast<int32_t>(u[64 * (i / 4) + 4 * o + i % 4]) - 128) * xb[i];
-        const float scale = half_to_float(block_scales(tiles, b)[o]) * x.scale[r * x.blocks + b];
+        for (int i = 0; i < kBlock; ++i) p += (block_u(V{}, u, o, i) - V::kOffset) * xb[i];
+        const float scale = half_to_float(block_scales<V>(tiles, b)[o]) * x.scale[r * x.blocks + b];
         acc[b % 2] = std::fma(static_cast<float>(p), scale, acc[b % 2]);
       }
       out.out[r * out.stride + o] = acc[0] + acc[1];
@@ -78,31 +81,48 @@ void group_scalar(const uint8_t* tiles, const Rows& x, int64_t rows, const Out& 
 }
 
 #if SPECSERVE_AVX2
-// Rows r0 .. r0 + G - 1 against outputs 8 h .. 8 h + 7 of a group: the 32-byte halves of each
-// vector, back to signed weights; maddubs on |w| and the activations carrying w's sign (both in
-// [-127, 127]: pair sums cannot saturate), then madd by ones into the 8 outputs' int32 lanes.
-template <int G>
+// Half h (outputs 8 h .. 8 h + 7) of a block's vector v, as 8 int32 sums of 4 products each: Q8's
+// signed values by maddubs on |w| and the activations carrying w's sign (both in [-127, 127]: pair
+// sums cannot saturate), the exact P; Q5's offset values u <= 31 times the activations (pairs below
+// 2 * 31 * 127), P plus the offset's share, taken off per block.
+inline __m256i half_sums(const Q8&, const uint8_t* u, int v, int h, __m256i x4) {
+  const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * v + 32 * h)),
+                                     _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x4, w));
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+inline __m256i half_sums(const Q5&, const uint8_t* u, int v, int h, __m256i x4) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * (v % 4) + 32 * h));
+  nibbles = _mm256_and_si256(v < 4 ? nibbles : _mm256_srli_epi16(nibbles, 4), low);
+  uint32_t bits;  // the fifth bits of these 32 bytes, one per byte
+  std::memcpy(&bits, u + Q5::kNibbleBytes + 8 * v + 4 * h, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)),
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  const __m256i w = _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x4), _mm256_set1_epi16(1));
+}
+
+template <class V, int G>
 void half_rows_avx2(const uint8_t* tiles, const Rows& x, int64_t r0, int h, const Out& out) {
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  constexpr int32_t offset = std::is_same_v<V, Q8> ? 0 : V::kOffset;  // Q8's sums are exact already
   __m256 acc[G][2];
   for (int r = 0; r < G; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
-    const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block_scales(tiles, b) + 8 * h)));
-    const uint8_t* u = block_values(tiles, b);
-    __m256i w[8], aw[8];
-    for (int v = 0; v < 8; ++v) {
-      w[v] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * v + 32 * h)), flip);
-      aw[v] = _mm256_sign_epi8(w[v], w[v]);
-    }
+    const __m256 sw =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block_scales<V>(tiles, b) + 8 * h)));
+    const uint8_t* u = block_values<V>(tiles, b);
     for (int r = 0; r < G; ++r) {
       const int64_t row = r0 + r;
       const int8_t* xb = x.q + row * x.k + b * kBlock;
-      __m256i p = _mm256_setzero_si256();
+      __m256i p = _mm256_set1_epi32(-offset * x.xsum[row * x.blocks + b]);
       for (int v = 0; v < 8; ++v) {
         int32_t four;
         std::memcpy(&four, xb + 4 * v, 4);
-        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(four), w[v]);
-        p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], xs), ones));
+        p = _mm256_add_epi32(p, half_sums(V{}, u, v, h, _mm256_set1_epi32(four)));
       }
       const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(x.scale[row * x.blocks + b]));
       acc[r][b % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][b % 2]);
@@ -115,28 +135,61 @@ void half_rows_avx2(const uint8_t* tiles, const Rows& x, int64_t r0, int h, cons
   }
 }
 
+template <class V>
 void group_avx2(const uint8_t* tiles, const Rows& x, int64_t rows, const Out& out) {
   for (int h = 0; h < 2 && 8 * h < out.count; ++h) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) half_rows_avx2<4>(tiles, x, r, h, out);
+    for (; r + 4 <= rows; r += 4) half_rows_avx2<V, 4>(tiles, x, r, h, out);
     switch (rows - r) {
-      case 3: half_rows_avx2<3>(tiles, x, r, h, out); break;
-      case 2: half_rows_avx2<2>(tiles, x, r, h, out); break;
-      case 1: half_rows_avx2<1>(tiles, x, r, h, out); break;
+      case 3: half_rows_avx2<V, 3>(tiles, x, r, h, out); break;
+      case 2: half_rows_avx2<V, 2>(tiles, x, r, h, out); break;
+      case 1: half_rows_avx2<V, 1>(tiles, x, r, h, out); break;
       default: break;
     }
   }
 }
 #endif
 
+// Every group of ``tiles`` (values stored as V) on the chosen path.
+template <class V>
+void product(Isa isa, bool amx, const uint8_t* tp, int64_t groups, int64_t group_bytes, const Rows& x,
+             int64_t rows, int64_t padded, float* o, int64_t n) {
+  specserve::parallel_chunks(groups, kChunkGroups, [&](int64_t begin, int64_t end) {
+    const auto group_out = [&](int64_t g) {
+      return Out{o + g * kOutputs, n, static_cast<int>(std::min<int64_t>(kOutputs, n - g * kOutputs))};
+    };
+#if SPECSERVE_AVX512
+    if (amx) {
+      const specserve::TileScope scope(amx_config(rows));
+      AmxScratch scratch(rows);
+      for (int64_t g = begin; g < end; ++g) group_amx<V>(tp + g * group_bytes, x, rows, padded, group_out(g), scratch);
+      return;
+    }
+    if (isa == Isa::kAvx512 || isa == Isa::kAmx) {
+      for (int64_t g = begin; g < end; ++g) group_avx512<V>(tp + g * group_bytes, x, rows, group_out(g));
+      return;
+    }
+#endif
+#if SPECSERVE_AVX2
+    if (isa == Isa::kAvx2) {
+      for (int64_t g = begin; g < end; ++g) group_avx2<V>(tp + g * group_bytes, x, rows, group_out(g));
+      return;
+    }
+#endif
+    for (int64_t g = begin; g < end; ++g) group_scalar<V>(tp + g * group_bytes, x, rows, group_out(g));
+  });
+}
+
 }  // namespace
 
-// x [M, K] (float32 or bf16); tiles uint8 [ceil(N / 16), ceil(K / 64), 1088] (``q8_tiles.h``); n
-// the output features -> [M, N] float32.
-torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n) {
+// x [M, K] (float32 or bf16); tiles uint8 [ceil(N / 16), ceil(K / 64), tile bytes] (``q8_tiles.h``),
+// the values in ``bits`` (8: Q8, 5: Q5); n the output features -> [M, N] float32.
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 5, "q8_linear: values of 8 or 5 bits, not ", bits);
+  const int64_t tile_bytes = bits == 8 ? Q8::kTileBytes : Q5::kTileBytes;
   TORCH_CHECK(x.dim() == 2, "q8_linear: x must be 2-d [M, K]");
-  TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == torch::kUInt8 && tiles.size(2) == kTileBytes,
-              "q8_linear: tiles must be uint8 [groups, ceil(K / 64), ", kTileBytes, "]");
+  TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == torch::kUInt8 && tiles.size(2) == tile_bytes,
+              "q8_linear: tiles must be uint8 [groups, ceil(K / 64), ", tile_bytes, "]");
   const int64_t rows = x.size(0), k = x.size(1), groups = tiles.size(0);
   TORCH_CHECK(k % kBlock == 0, "q8_linear: K must be a multiple of 32, got ", k);
   TORCH_CHECK(tiles.size(1) == (k / kBlock + 1) / 2, "q8_linear: the tiles hold ", tiles.size(1) * 2 * kBlock,
@@ -155,32 +208,11 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& tiles, int6
   quantize_rows(xf.data_ptr<float>(), rows, padded, k, xq.data(), xs.data(), xsums.data());
   const Rows activations{xq.data(), xs.data(), xsums.data(), k, blocks};
   auto out = torch::empty({rows, n}, torch::kFloat32);
-  float* o = out.data_ptr<float>();
   const uint8_t* tp = tc.data_ptr<uint8_t>();
-  const int64_t group_bytes = tiles.size(1) * kTileBytes;
-  specserve::parallel_chunks(groups, kChunkGroups, [&](int64_t begin, int64_t end) {
-    const auto group_out = [&](int64_t g) {
-      return Out{o + g * kOutputs, n, static_cast<int>(std::min<int64_t>(kOutputs, n - g * kOutputs))};
-    };
-#if SPECSERVE_AVX512
-    if (amx) {
-      const specserve::TileScope scope(amx_config(rows));
-      AmxScratch scratch(rows);
-      for (int64_t g = begin; g < end; ++g) group_amx(tp + g * group_bytes, activations, rows, padded, group_out(g), scratch);
-      return;
-    }
-    if (isa == Isa::kAvx512 || isa == Isa::kAmx) {
-      for (int64_t g = begin; g < end; ++g) group_avx512(tp + g * group_bytes, activations, rows, group_out(g));
-      return;
-    }
-#endif
-#if SPECSERVE_AVX2
-    if (isa == Isa::kAvx2) {
-      for (int64_t g = begin; g < end; ++g) group_avx2(tp + g * group_bytes, activations, rows, group_out(g));
-      return;
-    }
-#endif
-    for (int64_t g = begin; g < end; ++g) group_scalar(tp + g * group_bytes, activations, rows, group_out(g));
-  });
+  const int64_t group_bytes = tiles.size(1) * tile_bytes;
+  if (bits == 8)
+    product<Q8>(isa, amx, tp, groups, group_bytes, activations, rows, padded, out.data_ptr<float>(), n);
+  else
+    product<Q5>(isa, amx, tp, groups, group_bytes, activations, rows, padded, out.data_ptr<float>(), n);
   return out;
 }
