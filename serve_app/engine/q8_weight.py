@@ -49,15 +49,16 @@ class Q8Blocks:
         )
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Q8Blocks:
-        """Per block of 32 inputs: scale = max|w| / 127 (rounded to fp16 first), q = round(w / scale)."""
+    def quantize(cls, weight: torch.Tensor, top: int = 127, name: str = "q8") -> Q8Blocks:
+        """Per block of 32 inputs: scale = max|w| / top (rounded to fp16 first), q = round(w / scale)
+        in [-top, top] (127: Q8; 15: values Q5 holds)."""
         out_features, in_features = weight.shape
         if in_features % BLOCK:
-            raise ValueError(f"q8 needs input features in multiples of {BLOCK}, got {in_features}")
+            raise ValueError(f"{name} needs input features in multiples of {BLOCK}, got {in_features}")
         blocks = weight.float().reshape(out_features, in_features // BLOCK, BLOCK)
-        scales = (blocks.abs().amax(dim=-1) / 127.0).to(torch.float16)  # [out, in / 32]
+        scales = (blocks.abs().amax(dim=-1) / float(top)).to(torch.float16)  # [out, in / 32]
         divisor = scales.float().unsqueeze(-1)
-        q = torch.where(divisor > 0, torch.round(blocks / divisor.clamp(min=1e-30)), 0.0).clamp(-127, 127)
+        q = torch.where(divisor > 0, torch.round(blocks / divisor.clamp(min=1e-30)), 0.0).clamp(-top, top)
         return cls(q.to(torch.int8).reshape(out_features, in_features).contiguous(), scales.view(torch.int16))
 
     def dequantize(self) -> torch.Tensor:
@@ -208,16 +209,8 @@ class Q5Weight(Q8Weight):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Q5Weight:
-        """From dense weights: per block of 32 inputs, scale = max|w| / 15 (fp16), q = round(w / scale)."""
-        out_features, in_features = weight.shape
-        if in_features % BLOCK:
-            raise ValueError(f"q5 needs input features in multiples of {BLOCK}, got {in_features}")
-        blocks = weight.float().reshape(out_features, in_features // BLOCK, BLOCK)
-        scales = (blocks.abs().amax(dim=-1) / 15.0).to(torch.float16)
-        divisor = scales.float().unsqueeze(-1)
-        q = torch.where(divisor > 0, torch.round(blocks / divisor.clamp(min=1e-30)), 0.0).clamp(-16, 15)
-        data = q.to(torch.int8).reshape(out_features, in_features).contiguous()
-        return cls.from_blocks(Q8Blocks(data, scales.view(torch.int16)))
+        """From dense weights: per block of 32 inputs, values in [-15, 15] (``Q8Blocks.quantize``)."""
+        return cls.from_blocks(Q8Blocks.quantize(weight, top=15, name="q5"))
 
     def blocks(self) -> Q8Blocks:
         return _from_q5_tiles(self.tiles, self.shape)

@@ -24,6 +24,22 @@ struct alignas(64) TileConfig {
   }
 };
 
+constexpr int64_t kAmxChunk = 16;  // activation rows per A tile
+
+// The layout both products use, for ``rows`` activation rows (at most 16 per chunk): tiles 0, 1 the
+// A tiles (rows x 32 activations: one block), 2, 3 the B tiles (8 x 64 bytes: 16 outputs x 4 inputs
+// per row, one block), 4 .. 7 the C tiles (rows x 16 int32 sums).
+inline TileConfig amx_config(int64_t rows) {
+  const int chunk = static_cast<int>(rows < kAmxChunk ? rows : kAmxChunk);
+  TileConfig config;
+  for (int t = 0; t < 2; ++t) {
+    config.set(t, chunk, 32);
+    config.set(2 + t, 8, 64);
+  }
+  for (int t = 4; t < 8; ++t) config.set(t, chunk, 64);
+  return config;
+}
+
 #if SPECSERVE_AVX512
 // Tiles for the calling thread: loaded on construction, released on destruction.
 class TileScope {

@@ -18,20 +18,10 @@
 
 namespace specserve::q4k {
 
-#if SPECSERVE_AVX512
-constexpr int64_t kAmxChunk = 16;  // rows per A tile
+using specserve::amx_config;
+using specserve::kAmxChunk;
 
-// The tile configuration for ``rows`` activation rows (at most 16 per chunk).
-inline TileConfig amx_config(int64_t rows) {
-  const int chunk = static_cast<int>(rows < kAmxChunk ? rows : kAmxChunk);
-  TileConfig config;
-  for (int t = 0; t < 2; ++t) {
-    config.set(t, chunk, kBlock);       // A: rows x 32 activations
-    config.set(2 + t, 8, 64);           // B: 8 x (16 outputs x 4 inputs)
-  }
-  for (int t = 4; t < 8; ++t) config.set(t, chunk, 64);  // C: rows x 16 int32
-  return config;
-}
+#if SPECSERVE_AVX512
 
 // The per-thread scratch of the AMX path: a super-block's unpacked B tiles and stored C tiles, and
 // S1 per row.

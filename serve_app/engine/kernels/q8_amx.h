@@ -17,19 +17,10 @@
 
 namespace specserve::q8 {
 
-#if SPECSERVE_AVX512
-constexpr int64_t kAmxChunk = 16;
+using specserve::amx_config;
+using specserve::kAmxChunk;
 
-inline TileConfig amx_config(int64_t rows) {
-  const int chunk = static_cast<int>(rows < kAmxChunk ? rows : kAmxChunk);
-  TileConfig config;
-  for (int t = 0; t < 2; ++t) {
-    config.set(t, chunk, kBlock);  // A: rows x 32 activations
-    config.set(2 + t, 8, 64);      // B: 8 x (16 outputs x 4 inputs)
-  }
-  for (int t = 4; t < 8; ++t) config.set(t, chunk, 64);  // C: rows x 16 int32
-  return config;
-}
+#if SPECSERVE_AVX512
 
 struct AmxScratch {
   alignas(64) int32_t sums[4][kAmxChunk * kOutputs];
