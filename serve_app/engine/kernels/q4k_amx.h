@@ -56,7 +56,6 @@ inline SPECSERVE_AMX_FN void group_amx(const uint8_t* tiles, const Rows& x, int6
   }
   for (int64_t s = 0; s < x.supers; ++s) {
     const uint8_t* t = tiles + s * kTileBytes;
-    prefetch_tile(t + kPrefetchTiles * kTileBytes);
     const Tile w(t);
     for (int64_t b = 0; b < kBlocks; ++b) {
       for (int v = 0; v < 4; ++v) {

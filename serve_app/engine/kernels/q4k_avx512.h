@@ -25,12 +25,10 @@ inline SPECSERVE_AVX512_FN __m512i broadcast_pair(const int16_t* p) {  // 2 int1
   return _mm512_set1_epi32(v);
 }
 
-// A whole tile (37 cache lines) ``ahead`` tiles before it is needed: one thread's tiles are one
-// sequential stream, and loading them ahead keeps the memory busy while the dot products run.
-inline void prefetch_tile(const uint8_t* t) {
-  for (int64_t line = 0; line < kTileBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(t + line), _MM_HINT_T0);
-}
-constexpr int64_t kPrefetchTiles = 6;
+// No software prefetch: each thread reads its tiles as one ascending stream, which the hardware
+// prefetcher follows. Prefetching whole tiles 6 ahead (_mm_prefetch, T0) made the 1-row product
+// 1.55x slower on an AMD EPYC and 0-12% slower at 1 to 16 rows on a Sapphire Rapids Xeon
+// (BENCHMARKS.md, eighteenth session).
 
 // The mins' integer sums S2 of 16 outputs for one activation row: four dpwssd on the (m, m) pairs.
 inline SPECSERVE_AVX512_FN __m512i min_sums(const __m512i mn16[4], const int16_t* bsum) {
@@ -89,7 +87,6 @@ inline SPECSERVE_AVX512_FN void row_avx512(const uint8_t* tiles, const Rows& x, 
   const int8_t* xr = x.q + row * x.k;
   for (int64_t s = 0; s < x.supers; ++s) {
     const uint8_t* t = tiles + s * kTileBytes;
-    prefetch_tile(t + kPrefetchTiles * kTileBytes);
     const Tile w(t);
     const FloatStep step(w);  // first: the tile's lines are read in ascending order
     step.apply(row_sums(w, xr + s * kSuper), x.bsum + row * (x.k / kBlock) + s * kBlocks, x.scale[row * x.supers + s],
@@ -107,7 +104,6 @@ SPECSERVE_AVX512_FN void group_rows_avx512(const uint8_t* tiles, const Rows& x, 
   for (int r = 0; r < G; ++r) acc[r] = mins[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < x.supers; ++s) {
     const uint8_t* t = tiles + s * kTileBytes;
-    if (r0 == 0) prefetch_tile(t + kPrefetchTiles * kTileBytes);  // later row groups find it cached
     const Tile w(t);
     __m512i s1[G];
     for (int r = 0; r < G; ++r) s1[r] = _mm512_setzero_si512();
