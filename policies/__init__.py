@@ -8,7 +8,17 @@ limits every policy obeys. The trace simulator is ``policies.simulate`` (import 
 
 from policies import bandit, batch_threshold, goodput, heuristic, plain, static  # noqa: F401  (registers)
 from policies.acceptance import AcceptanceEstimator, PositionCounts
-from policies.base import CostModel, Decision, Outcome, Policy, RequestOutcome, RequestView, StepView
+from policies.base import (
+    Continuation,
+    CostModel,
+    Decision,
+    Outcome,
+    Policy,
+    RequestOutcome,
+    RequestView,
+    StepView,
+)
+from policies.continuation import ContinuationEstimator
 from policies.cost_model import FittedCostModel, draft_profile_plan, profile_plan
 from policies.registry import (
     DEFAULT_POLICY,
@@ -27,6 +37,8 @@ __all__ = [
     "FIXED_POLICY",
     "PLAIN_POLICY",
     "AcceptanceEstimator",
+    "Continuation",
+    "ContinuationEstimator",
     "CostModel",
     "Decision",
     "FittedCostModel",

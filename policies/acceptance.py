@@ -71,6 +71,16 @@ from policies.base import Outcome
 ANY = "*"  # the workload of a prior that applies to every workload of its proposer
 
 
+def lean(rates: Sequence[float], seen: Sequence[float], weight: float, decay: float = 1.0) -> list[float]:
+    """Each position past the first blended with the one before it by evidence (module doc):
+    (n_j * rate_j + weight * out_{j-1} * decay) / (n_j + weight), n_j = ``seen[j]`` (0 past its end)."""
+    out = list(rates)
+    for j in range(1, len(out)):
+        n = seen[j] if j < len(seen) else 0.0
+        out[j] = (n * out[j] + weight * out[j - 1] * decay) / (n + weight)
+    return out
+
+
 @dataclass
 class PositionCounts:
     """Counts per draft position since the last drain (one (proposer, workload))."""
@@ -187,12 +197,7 @@ class AcceptanceEstimator:
         return rates
 
     def _lean(self, rates: Sequence[float], seen: Sequence[float]) -> list[float]:
-        """Each position past the first blended with the one before it by evidence (module doc)."""
-        out = list(rates)
-        for j in range(1, len(out)):
-            n = seen[j] if j < len(seen) else 0.0
-            out[j] = (n * out[j] + self.prior_weight * out[j - 1] * self.decay) / (n + self.prior_weight)
-        return out
+        return lean(rates, seen, self.prior_weight, self.decay)
 
     def start(self, request_id: str, workload: str) -> None:
         """Tell the estimator a request's workload class (else the first update's, else "*")."""

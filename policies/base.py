@@ -14,6 +14,21 @@ from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
+class Continuation:
+    """How far a proposer that may end a draft early (a draft model stopping when unsure) drafts.
+
+    Per position j = 0, 1, ...: ``drafted[j]`` = P(it drafts position j + 1 | it drafted position j
+    and the depth allowed j + 1), and ``accepted[j]`` = the same given also that positions 0..j were
+    accepted. A draft of depth k then holds 1 + sum_{j=1..k-1} prod_{m<j} drafted[m] tokens on
+    average, and emits 1 + sum_{j<k} a_j prod_{m<j} a_m accepted[m] (a the conditional acceptance).
+    Missing positions repeat the last; empty means it never stops early (every rate 1).
+    """
+
+    drafted: tuple[float, ...] = ()
+    accepted: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestView:
     """One running request as a policy sees it (read-only)."""
 
@@ -32,6 +47,9 @@ class RequestView:
     # would draft for this request now (0: it has nothing to propose). A proposer not here has no
     # such bound. The limits cap each proposer's depth by it (``policies.limits.depth_cap``).
     draftable: dict[str, int] = field(default_factory=dict)
+    # Per proposer that may stop a draft before its depth: how far it goes (a proposer not here
+    # always drafts its full depth).
+    continuation: dict[str, Continuation] = field(default_factory=dict)
 
     @property
     def context_len(self) -> int:

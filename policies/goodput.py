@@ -13,7 +13,14 @@ draft prefill of requests that have not used that proposer yet:
     T = target_time(B, 1 + max_i k_i, ctx) + sum_p (max_{i: p_i = p} k_i) * draft_time(p, n_p, ctx)
         + sum_{i new to p_i} prefill_i * E_i / tokens_left_i
 
-with ctx the batch's mean context. A proposer new to a request must first read its whole context
+with ctx the batch's mean context. A proposer that may end a draft early (a draft model stopping
+at its first unsure token: ``RequestView.continuation[p]``, see ``policies.base.Continuation``)
+drafts D_i(p, k) <= k tokens on average and emits E_i with the chance that it goes on after each
+accepted position folded in; k_i above is then D_i (the forward's width interpolated between whole
+widths, the max over rows a max of expectations). Without that, a deep cap is charged k draft steps
+and a k-wide verify that a stopping draft never pays, and the plan stays shallow.
+
+A proposer new to a request must first read its whole context
 (context_len_i = prompt_len + generated, the prompt alone before the first token):
 prefill_i = cost.draft_prefill_time(p, context_len_i) if the cost model has that method, else
 draft_time(p, 1, context_len_i) * ceil(context_len_i / 64) (one memory-bound
@@ -41,7 +48,7 @@ from __future__ import annotations
 import math
 from itertools import combinations
 
-from policies.base import CostModel, Decision, Outcome, StepView
+from policies.base import Continuation, CostModel, Decision, Outcome, StepView
 from policies.limits import allowed_proposers, clamp, depth_cap, forced_proposer
 from policies.registry import PolicyConfig, register_policy
 
@@ -50,14 +57,40 @@ Choice = tuple[str | None, int]  # one request's (proposer, depth)
 PLAIN: Choice = (None, 0)
 
 
-def expected_tokens(acceptance: tuple[float, ...], depth: int, default: float) -> list[float]:
-    """E at depths 0..depth: 1 + sum of the products of conditional acceptances (last repeats)."""
-    out, run, prod = [1.0], 1.0, 1.0
+def _rate(rates: tuple[float, ...], j: int, default: float) -> float:
+    """rates[j], the last one past the end, ``default`` if there are none; clipped to [0, 1]."""
+    rate = rates[j] if j < len(rates) else (rates[-1] if rates else default)
+    return min(1.0, max(0.0, rate))
+
+
+def expected_tokens(
+    acceptance: tuple[float, ...], depth: int, default: float, continuation: Continuation | None = None
+) -> list[float]:
+    """E at depths 0..depth: 1 + sum over positions j of P(j drafted and positions 0..j accepted).
+
+    Without ``continuation`` every position up to the depth is drafted: the sum of the products of
+    conditional acceptances (the last one repeats). With it, reaching j + 1 also needs the draft to
+    go on after the accepted position j (``Continuation.accepted[j]``)."""
+    going_on = continuation.accepted if continuation is not None else ()
+    out, run, reach = [1.0], 1.0, 1.0  # reach: P(position j drafted and positions < j accepted)
     for j in range(depth):
-        rate = acceptance[j] if j < len(acceptance) else (acceptance[-1] if acceptance else default)
-        prod *= min(1.0, max(0.0, rate))
-        run += prod
+        accepted = reach * _rate(acceptance, j, default)
+        run += accepted
         out.append(run)
+        reach = accepted * _rate(going_on, j, 1.0)
+    return out
+
+
+def expected_drafted(continuation: Continuation | None, depth: int) -> list[float]:
+    """Tokens a draft of depth 0..depth holds on average: k without ``continuation``, else
+    1 + sum_{j=1..k-1} prod_{m<j} drafted[m] (see ``policies.base.Continuation``)."""
+    if continuation is None:
+        return [float(k) for k in range(depth + 1)]
+    out, run, reach = [0.0], 0.0, 1.0  # reach: P(position j drafted)
+    for j in range(depth):
+        run += reach
+        out.append(run)
+        reach *= _rate(continuation.drafted, j, 1.0)
     return out
 
 
@@ -80,15 +113,18 @@ class _Step:
         ]
         self.tokens: list[dict[str, list[float]]] = []  # [i][p][k]: E_i(p, k)
         self.prefill: list[dict[str, list[float]]] = []  # [i][p][k]: amortised prefill seconds
+        self.drafted: list[dict[str, list[float]]] = []  # [i][p][k]: tokens a draft of k holds
         self.proposer_caps: list[dict[str, int]] = []  # [i][p]: <= caps[i] if p can draft fewer
         for request, cap in zip(step.requests, self.caps, strict=True):
-            tokens, prefill, caps = {}, {}, {}
+            tokens, prefill, drafted, caps = {}, {}, {}, {}
             for p in allowed_proposers(request, step) if cap > 0 else ():
                 proposer_cap = depth_cap(request, step, limit, p)
                 if proposer_cap == 0:  # nothing to propose (a lookup without a match): not an option
                     continue
                 caps[p] = proposer_cap
-                tokens[p] = expected_tokens(request.acceptance.get(p, ()), proposer_cap, default)
+                going_on = request.continuation.get(p)
+                tokens[p] = expected_tokens(request.acceptance.get(p, ()), proposer_cap, default, going_on)
+                drafted[p] = expected_drafted(going_on, proposer_cap)
                 seconds = (
                     0.0
                     if (request.request_id, p) in admitted
@@ -97,16 +133,23 @@ class _Step:
                 prefill[p] = [seconds * e / max(1, request.tokens_left) for e in tokens[p]]
             self.tokens.append(tokens)
             self.prefill.append(prefill)
+            self.drafted.append(drafted)
             self.proposer_caps.append(caps)
         # Per proposer: how many requests may use it (a request's marginal draft rows, step 1).
         self.crowd = {p: sum(p in t for t in self.tokens) for p in step.proposers}
         self._target: dict[int, float] = {}
         self._draft: dict[tuple[str, int], float] = {}
 
-    def target(self, width: int) -> float:
-        if width not in self._target:
-            self._target[width] = self.cost.target_time(self.rows, width, self.ctx)
-        return self._target[width]
+    def target(self, width: float) -> float:
+        """The target forward over ``width`` tokens per row; an expected (fractional) width is
+        interpolated between the whole widths around it."""
+        low = int(width)
+        if low == width:
+            if low not in self._target:
+                self._target[low] = self.cost.target_time(self.rows, low, self.ctx)
+            return self._target[low]
+        part = width - low
+        return (1.0 - part) * self.target(low) + part * self.target(low + 1)
 
     def draft(self, proposer: str, rows: int) -> float:
         if (proposer, rows) not in self._draft:
@@ -128,7 +171,8 @@ class _Step:
                 continue
             depth = self.depth(i, p, width)
             crowd = self.crowd[p]
-            marginal = depth * (self.draft(p, crowd) - (self.draft(p, crowd - 1) if crowd > 1 else 0.0))
+            extra_row = self.draft(p, crowd) - (self.draft(p, crowd - 1) if crowd > 1 else 0.0)
+            marginal = self.drafted[i][p][depth] * extra_row
             value = self.tokens[i][p][depth] - rate * (self.prefill[i][p][depth] + marginal)
             if value > best_value + 1e-12:
                 best, best_value = (p, depth), value
@@ -136,12 +180,11 @@ class _Step:
 
 
 class _Plan:
-    """A choice per request, with running totals so that moving one request costs O(P * depth)."""
+    """A choice per request, with running token and prefill totals."""
 
     def __init__(self, s: _Step, choices: list[Choice]) -> None:
         self.s, self.choices = s, list(choices)
         self.tokens = self.prefill = 0.0
-        self.depths = {p: [0] * (max(s.caps) + 2) for p in s.crowd}  # [p][k]: requests at depth k
         self.rows = dict.fromkeys(s.crowd, 0)
         for i, choice in enumerate(self.choices):
             self._account(i, choice, 1)
@@ -153,19 +196,19 @@ class _Plan:
             return
         self.tokens += sign * self.s.tokens[i][p][k]
         self.prefill += sign * self.s.prefill[i][p][k]
-        self.depths[p][k] += sign
         self.rows[p] += sign
 
     def value(self) -> float:
-        """Expected tokens per second of the step (the objective)."""
-        seconds, width = self.prefill, 0
-        for p, rows in self.rows.items():
-            if rows:
-                counts = self.depths[p]
-                deepest = next(k for k in range(len(counts) - 1, 0, -1) if counts[k])
-                width = max(width, deepest)
-                seconds += deepest * self.s.draft(p, rows)
-        return self.tokens / (seconds + self.s.target(1 + width))
+        """Expected tokens per second of the step (the objective). Each proposer runs as many
+        draft steps as its longest expected draft, and the forward is as wide as the longest draft
+        of all (the max of expectations: exact at batch 1, a little low for a batch of drafts
+        that may stop early)."""
+        longest: dict[str, float] = {}
+        for i, (p, k) in enumerate(self.choices):
+            if p is not None:
+                longest[p] = max(longest.get(p, 0.0), self.s.drafted[i][p][k])
+        seconds = self.prefill + sum(n * self.s.draft(p, self.rows[p]) for p, n in longest.items())
+        return self.tokens / (seconds + self.s.target(1 + max(longest.values(), default=0.0)))
 
     def move(self, i: int, choice: Choice) -> None:
         self._account(i, self.choices[i], -1)
@@ -203,11 +246,15 @@ class GoodputPolicy:
         # No plan of width >= K beats best_value if even every request's best possible tokens over
         # the cheapest target forward of width >= K do not: the search stops there. (The cheapest,
         # not the one at K: a forward's time is not monotone in its width, see policies.cost_model.)
+        # A draft that may stop early can be narrower than K: then the cheapest of any width.
         ceiling = sum(max((t[-1] for t in tokens.values()), default=1.0) for tokens in s.tokens)
         widths = range(1, max(s.caps) + 1)
         cheapest = [s.target(1 + w) for w in widths]
+        stops = any(r.continuation for r in step.requests)
         for j in range(len(cheapest) - 2, -1, -1):
             cheapest[j] = min(cheapest[j], cheapest[j + 1])
+        if stops:
+            cheapest = [min(cheapest)] * len(cheapest)
         for width, floor in zip(widths, cheapest, strict=True):
             if ceiling / floor <= best_value:
                 break

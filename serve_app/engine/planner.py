@@ -3,7 +3,8 @@
 The scheduler decides who runs; the planner decides how each running request decodes this step.
 It owns what a policy needs and the engine must not know about: the acceptance estimator (per
 request, seeded with priors per (model pair, proposer, workload) from the shared statistics), the
-cost model (profiled at start, corrected online from measured step times) and each request's
+how far drafts that may stop early go, the cost model (profiled at start, corrected online from
+measured step times) and each request's
 workload class. After every step it turns the measurements into an ``Outcome`` for the policy, the
 estimator and the cost model, and into counts for the shared statistics sink.
 
@@ -19,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from policies import AcceptanceEstimator, FittedCostModel, Policy, classify
+from policies import AcceptanceEstimator, ContinuationEstimator, FittedCostModel, Policy, classify
 from policies.acceptance import ANY
 from policies.base import Decision, Outcome, RequestOutcome, RequestView, StepView
 
@@ -80,6 +81,8 @@ class SpeculationPlanner:
             model_pair=model_pair or None,
             max_depth=max(1, max_depth),
         )
+        # how far drafts that may stop early go (RequestView.continuation)
+        self.continuation = ContinuationEstimator(max_depth=max(1, max_depth))
         self._workload: dict[str, str] = {}
         self._finished: set[str] = set()  # finished during a step; forgotten after its outcome
 
@@ -89,6 +92,7 @@ class SpeculationPlanner:
         workload = classify(prompt_text, tag)
         self._workload[request_id] = workload
         self.estimator.start(request_id, workload)
+        self.continuation.start(request_id, workload)
         if self.stats is not None:
             for proposer in self.proposers:
                 rates = self.stats.priors((self.model_pair, proposer, workload))
@@ -104,6 +108,7 @@ class SpeculationPlanner:
         for request_id in self._finished:
             self._workload.pop(request_id, None)
             self.estimator.forget(request_id)
+            self.continuation.forget(request_id)
         self._finished.clear()
 
     # ----------------------------------------------------------------------------- deciding
@@ -137,6 +142,7 @@ class SpeculationPlanner:
             override_mode=mode,
             override_max_depth=r.max_depth,
             draftable=dict(r.draftable),
+            continuation=self.continuation.estimates(r.request_id, self.proposers, self.max_depth),
         )
 
     # ----------------------------------------------------------------------------- learning
@@ -176,6 +182,7 @@ class SpeculationPlanner:
             step_seconds=step_seconds,
         )
         self.estimator.observe(outcome)
+        self.continuation.observe(outcome)
         self.cost.observe(outcome)
         self.policy.observe(outcome)
         if self.stats is not None:

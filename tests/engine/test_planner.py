@@ -47,6 +47,34 @@ def test_every_policy_is_lossless(target_hf, tiny_tokenizer, prompts, references
     drafted = sum(r.spec_stats.drafted for r in results)
     assert (drafted == 0) == (policy == "plain")
     assert engine.cache.num_free == 4 and not engine.planner.estimator._rates  # state is dropped
+    assert not engine.planner.continuation._request
+
+
+def test_a_draft_that_stops_early_is_planned_at_what_it_drafts(
+    target_hf, tiny_tokenizer, prompts, references
+) -> None:
+    """A draft told to stop below a confidence no tiny random model reaches drafts one token per
+    step: the planner learns that it stops (RequestView.continuation), and the output is plain's."""
+    engine = make_tiny_engine(
+        target_hf, tiny_tokenizer, proposers={"draft": {"min_confidence": 0.99}},
+        method="draft", depth=4, max_depth=6, slots=4, policy="static", model_pair="tiny|tiny",
+    )  # fmt: skip
+    results = engine.generate(prompts, GREEDY)
+    for result, ref in zip(results, references, strict=True):
+        assert result.token_ids == ref
+        assert 0 < result.spec_stats.drafted <= result.spec_stats.spec_steps  # one a step at most
+    planner = engine.planner
+    planner.admit("next", PROMPTS[0])
+    (rates,) = planner.continuation.estimates("next", ["draft"], 6).values()
+    assert max(rates.drafted) < 0.2  # it has stopped after its first token every time
+    (view,) = [planner._view(r) for r in [_planned("next")]]
+    assert view.continuation == {"draft": rates}
+
+
+def _planned(request_id: str):
+    from serve_app.engine.planner import PlannedRequest
+
+    return PlannedRequest(request_id, 4, 0, 16, 0.0, "auto", None, 100)
 
 
 def test_overrides_hold_under_goodput(target_hf, tiny_tokenizer, prompts, references) -> None:
