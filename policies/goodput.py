@@ -253,7 +253,7 @@ class GoodputPolicy:
         stops = any(r.continuation for r in step.requests)
         for j in range(len(cheapest) - 2, -1, -1):
             cheapest[j] = min(cheapest[j], cheapest[j + 1])
-        if stops:
+        if stops and cheapest:
             cheapest = [min(cheapest)] * len(cheapest)
         for width, floor in zip(widths, cheapest, strict=True):
             if ceiling / floor <= best_value:

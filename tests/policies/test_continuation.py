@@ -128,6 +128,13 @@ def test_goodput_without_stop_estimates_is_unchanged():
     assert GoodputPolicy(8).decide(plain_view) == GoodputPolicy(8).decide(same) == [Decision("draft", 4)]
 
 
+@pytest.mark.parametrize("left", [0, 1])
+def test_a_request_with_no_room_to_draft_is_plain(left):
+    going_on = Continuation(drafted=(0.7,) * 15, accepted=(0.8,) * 15)
+    view = step([replace(request(left=left), continuation={"draft": going_on})], max_depth=8)
+    assert GoodputPolicy(8).decide(view) == [Decision.plain()]
+
+
 def test_a_stop_under_load_still_goes_plain():
     going_on = Continuation(drafted=(0.7,) * 15, accepted=(0.8,) * 15)
     rows = [replace(request(f"r{i}", draft=0.6), continuation={"draft": going_on}) for i in range(32)]
