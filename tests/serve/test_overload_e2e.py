@@ -30,6 +30,10 @@ QUEUED = 4  # autoscaling.max_queued_requests
 HELD = SLOTS + 2 + QUEUED  # what the replica takes (slots + waiting margin) and Serve queues
 BURST = 48
 TOKENS = 64
+# The first SLOTS holders run this long, plain (n-gram drafts made 300 tokens of repetitive text
+# finish in ~3 s on a fast host, before the probes: a place came free and a probe was answered).
+# ~1000 plain tokens of a 1-thread SmolLM2 take 10-30 s; the probes are done ~4 s after the start.
+LONG_TOKENS = 1000
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +46,20 @@ def base_url(smollm2_path, serve_http: str) -> Iterator[str]:
         serve.delete(APP)
 
 
-def stream(base_url: str, index: int, tokens: int = TOKENS) -> dict:
-    """One streamed completion: its status, headers, how long the status took and what came back."""
+def stream(base_url: str, index: int, tokens: int = TOKENS, plain: bool = False) -> dict:
+    """One streamed completion: its status, headers, how long the status took, what came back and
+    when it ended (``perf_counter``)."""
     body = {"model": MODEL, "prompt": f"# Note {index}\n", "max_tokens": tokens, "temperature": 0.0,
             "stream": True, "ignore_eos": True}  # fmt: skip
+    if plain:
+        body["speculation"] = {"mode": "off"}
     start = time.perf_counter()
     with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=300) as response:
         status_s = time.perf_counter() - start
         text = response.text if response.status_code != 200 else ""
         events = [line for line in response.iter_lines() if line] if response.status_code == 200 else []
     return {"status": response.status_code, "headers": response.headers, "status_s": status_s,
-            "body": text, "events": events}  # fmt: skip
+            "body": text, "events": events, "ended": time.perf_counter()}  # fmt: skip
 
 
 def assert_refused(r: dict) -> None:
@@ -76,18 +83,24 @@ def test_overload_is_refused_at_once_and_what_was_taken_is_answered(base_url: st
     assert_whole(stream(base_url, -1, tokens=2))
 
     # 1. Sustained overload: HELD long streams take every place (sent one by one, so none is
-    # refused by a simultaneous arrival), then requests one at a time.
+    # refused by a simultaneous arrival), then requests one at a time. The first SLOTS holders run
+    # in the slots; no place comes free until one of them ends.
     held: list[dict] = []
-    holders = [
-        threading.Thread(target=lambda i=i: held.append(stream(base_url, i, tokens=300))) for i in range(HELD)
-    ]
+
+    def hold(i: int) -> None:
+        held.append(stream(base_url, i, tokens=LONG_TOKENS if i < SLOTS else TOKENS, plain=True))
+
+    holders = [threading.Thread(target=hold, args=(i,)) for i in range(HELD)]
     for thread in holders:
         thread.start()
         time.sleep(0.3)
     time.sleep(1.0)
     probes = [stream(base_url, 1000 + i) for i in range(20)]
+    probes_done = time.perf_counter()
     for thread in holders:
         thread.join(timeout=300)
+    # the premise: every place was still taken while the probes ran
+    assert min(r["ended"] for r in held) > probes_done, "a holder ended before the probes: make them longer"
     for r in probes:
         assert_refused(r)
     assert len(held) == HELD

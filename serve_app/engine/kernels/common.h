@@ -67,10 +67,17 @@ inline float lanes_sum(__m256 v) {
 // its sleep between products (in a VM, tens to hundreds of microseconds) held up a 17920 x 1536
 // product by 0.3 ms of its 0.65; with chunks the thread that is there takes more of them. Each
 // chunk is contiguous, so each thread still reads long ascending runs.
+// ``chunk`` is the most a chunk takes: a product of few groups (a 1536-output matrix holds 96 groups
+// of 16) is cut into at least kChunksPerThread chunks a thread, so that no thread is left with a
+// whole extra chunk at the end (3 chunks of 32 over 2 threads made one thread do two thirds).
+constexpr int64_t kChunksPerThread = 8;
+
 template <typename F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& work) {
+  const int64_t workers = at::get_num_threads();
+  chunk = std::max<int64_t>(1, std::min(chunk, n / (kChunksPerThread * std::max<int64_t>(1, workers))));
   const int64_t chunks = (n + chunk - 1) / chunk;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  const int64_t threads = std::min<int64_t>(workers, chunks);
   if (threads <= 1) return work(int64_t{0}, n);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
