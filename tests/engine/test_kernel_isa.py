@@ -90,3 +90,24 @@ def test_the_engine_takes_the_best_path_and_refuses_unknown_ones(kernels) -> Non
     assert kernels.active_isa() == available(kernels)[0]
     with pytest.raises(RuntimeError, match="unknown instruction set"):
         kernels.force_isa("neon")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_q8_tile_prefetch_changes_no_number(kernels, rows: int) -> None:
+    """Prefetching the Q8 tiles (on by vendor and pass width) is a matter of speed only."""
+    torch.manual_seed(rows)
+    weight = Q8Weight.quantize(torch.randn(67, 1536) * 0.05)
+    x = torch.randn(rows, 1536)
+    default = kernels.tile_prefetch_rows()
+    assert default in (0, 1, 4)
+    try:
+        results = []
+        for from_rows in (0, 1, 4):
+            kernels.set_tile_prefetch(from_rows)
+            assert kernels.tile_prefetch_rows() == from_rows
+            results.append(weight.matmul(x))
+    finally:
+        kernels.set_tile_prefetch(-1)
+    assert kernels.tile_prefetch_rows() == default
+    for result in results[1:]:
+        assert torch.equal(result, results[0])

@@ -50,11 +50,29 @@ Isa& current() {
   return chosen;
 }
 
+int64_t vendor_prefetch_rows() {
+#if SPECSERVE_AVX2
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel") ? 1 : 4;
+#else
+  return 0;
+#endif
+}
+
+int64_t& prefetch_rows() {
+  static int64_t rows = vendor_prefetch_rows();
+  return rows;
+}
+
 }  // namespace
 
 Isa isa() { return current(); }
 
 const char* active_isa() { return kNames[static_cast<int>(current())]; }
+
+int64_t tile_prefetch_rows() { return prefetch_rows(); }
+
+void set_tile_prefetch(int64_t rows) { prefetch_rows() = rows < 0 ? vendor_prefetch_rows() : rows; }
 
 void force_isa(const char* name) {
   const Isa best = best_isa();

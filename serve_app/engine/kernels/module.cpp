@@ -26,6 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vectorized", [] { return static_cast<bool>(SPECSERVE_AVX2); }, "whether the AVX2 kernels were compiled in");
   m.def("active_isa", [] { return std::string(specserve::active_isa()); },
         "the vector code the products run: amx, avx512, avx2 or scalar");
+  m.def("tile_prefetch_rows", [] { return specserve::tile_prefetch_rows(); },
+        "from how many rows a pass of the Q8 product prefetches its tiles (0: never; Intel 1, else 4)");
+  m.def("set_tile_prefetch", [](int64_t rows) { specserve::set_tile_prefetch(rows); },
+        "Q8 tile prefetch from this many rows (0: never, -1: the vendor's default); numbers never change");
   m.def("force_isa", [](const std::string& name) { specserve::force_isa(name.c_str()); },
         "run the products on one path (auto, amx, avx512, avx2, scalar); every path gives the same numbers");
 }

@@ -79,9 +79,12 @@ template <class V, int G>
 SPECSERVE_AVX512_FN void group_rows_avx512(const uint8_t* tiles, const Rows& x, int64_t r0, const Out& out) {
   __m512 even[G], odd[G];
   for (int r = 0; r < G; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  // the first pass reads the group from memory (see tile_prefetch_rows)
+  const int64_t from_rows = tile_prefetch_rows();
+  const bool prefetch = r0 == 0 && from_rows > 0 && G >= from_rows;
   int64_t b = 0;
   for (; b + 2 <= x.blocks; b += 2) {
-    if (r0 == 0)
+    if (prefetch)
       for (int line = 0; line < V::kTileBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(tiles + (b / 2 + 4) * V::kTileBytes + line), _MM_HINT_T0);
     block_rows<V, G>(tiles, x, r0, b, even);
