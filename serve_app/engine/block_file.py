@@ -6,11 +6,15 @@ checkpoint's parameter names. Per matrix ``name`` it holds either
 
 - ``name:q4k.qs / .d / .dmin / .scales / .mins``: Q4_K blocks in the GGUF's layout
   (``q4k_weight.Q4KBlocks``; tiled for the kernels when read), or
+- ``name:q6k.ql / .qh / .scales / .d``: Q6_K blocks (``q6k_weight.Q6KBlocks``: the GGUF's numbers,
+  its 6-bit values split into low nibbles and top bits), or
 - ``name:q8.data / .scales``: int8 values with an fp16 scale per 32 inputs (``q8_weight.Q8Blocks``),
   which hold the GGUF's Q8_0, Q5_0 and Q4_0 blocks exactly (read as ``Q5Weight`` where every value
   fits in 5 bits).
 
-A matrix the file lacks (e.g. a Q6_K one) is re-quantized to Q8 from the dense weights at load.
+A matrix the file lacks (e.g. a float one) is re-quantized to Q8 from the dense weights at load.
+Format 2 added the Q6_K matrices (format 1 re-quantized them to Q8 at load); the store extracts a
+pack's file again when its format is not this one (``packs.store``).
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ from pathlib import Path
 import torch
 
 from serve_app.engine.q4k_weight import Q4KBlocks, Q4KWeight
+from serve_app.engine.q6k_weight import Q6KBlocks, Q6KWeight
 from serve_app.engine.q8_weight import Q5Weight, Q8Blocks, Q8Weight, fits_q5
+from serve_app.engine.quantized import BlockWeight
 
 BLOCKS_FILE = "gguf-blocks.safetensors"
-FORMAT = "specserve-gguf-blocks/1"  # the file's metadata "format"; another value is refused
+FORMAT = "specserve-gguf-blocks/2"  # the file's metadata "format"; another value is refused
 Q4K_FIELDS = Q4KBlocks.FIELDS
+Q6K_FIELDS = Q6KBlocks.FIELDS
 Q8_FIELDS = Q8Blocks.FIELDS
 
 
@@ -46,14 +53,19 @@ def resolve_weight_format(requested: str, model_dir: str | Path, device: str = "
     return "gguf" if usable and blocks_path(model_dir).is_file() else "dense"
 
 
-def tensors_of(name: str, weight: Q4KWeight | Q8Weight) -> dict[str, torch.Tensor]:
+def tensors_of(name: str, weight: BlockWeight) -> dict[str, torch.Tensor]:
     """The file's entries for one matrix."""
-    kind, fields = ("q4k", Q4K_FIELDS) if isinstance(weight, Q4KWeight) else ("q8", Q8_FIELDS)
+    if isinstance(weight, Q4KWeight):
+        kind, fields = "q4k", Q4K_FIELDS
+    elif isinstance(weight, Q6KWeight):
+        kind, fields = "q6k", Q6K_FIELDS
+    else:
+        kind, fields = "q8", Q8_FIELDS
     blocks = weight.blocks()
     return {f"{name}:{kind}.{field}": getattr(blocks, field).contiguous() for field in fields}
 
 
-def read_blocks(model_dir: str | Path) -> dict[str, Q4KWeight | Q8Weight]:
+def read_blocks(model_dir: str | Path) -> dict[str, BlockWeight]:
     """The matrices of ``model_dir``'s blocks file by parameter name; FileNotFoundError (naming the
     command that writes it) when the folder has none."""
     from safetensors import safe_open
@@ -71,11 +83,13 @@ def read_blocks(model_dir: str | Path) -> dict[str, Q4KWeight | Q8Weight]:
         for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             name, field = key.rsplit(":", 1)
             fields.setdefault(name, {})[field] = f.get_tensor(key)
-    weights: dict[str, Q4KWeight | Q8Weight] = {}
+    weights: dict[str, BlockWeight] = {}
     for name, entries in fields.items():
         if "q4k.qs" in entries:
             blocks = Q4KBlocks(*(entries[f"q4k.{field}"] for field in Q4K_FIELDS))
             weights[name] = Q4KWeight.from_blocks(blocks)
+        elif "q6k.ql" in entries:
+            weights[name] = Q6KWeight.from_blocks(Q6KBlocks(*(entries[f"q6k.{field}"] for field in Q6K_FIELDS)))
         else:
             plain = Q8Blocks(*(entries[f"q8.{field}"] for field in Q8_FIELDS))
             # the GGUF's Q5_0 / Q4_0 blocks: the same numbers from 5 bits

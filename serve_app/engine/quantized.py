@@ -6,12 +6,14 @@
   tiled for our kernel; also holds the GGUF's Q8_0 / Q5_0 / Q4_0 blocks exactly.
 - ``Q4KWeight`` (``engine.q4k_weight``): the GGUF's Q4_K blocks as they are (4.6 bits per weight),
   tiled for our kernel.
+- ``Q6KWeight`` (``engine.q6k_weight``): the GGUF's Q6_K blocks as they are (6.6 bits per weight),
+  tiled for our kernel.
 - ``PaddedInputs``: a Q4_K weight whose inputs were zero-padded to a multiple of 256 (the ``q4k``
   format of a draft whose matrices are 896 wide).
 - ``RowStack``: output rows of several weights in order (a fused product whose parts the GGUF
   stores in different formats).
 
-Q8 and Q4_K products quantize activations per row (never per tensor), sum blocks in integers and
+Q8, Q4_K and Q6_K products quantize activations per row (never per tensor), sum blocks in integers and
 run the float steps in one fixed order, so every row's result is independent of the other rows:
 a target may run on them and speculation stays bit-exact against plain decoding of the same
 weights (which are close to, not equal to, the bf16 weights).
@@ -26,7 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.engine.q4k_weight import SUPER, Q4KWeight
+from serve_app.engine.q6k_weight import Q6KWeight
 from serve_app.engine.q8_weight import Q8Weight
+
+BlockWeight = Q8Weight | Q4KWeight | Q6KWeight  # what a GGUF block becomes
 
 
 def _fbgemm_available() -> bool:
@@ -119,9 +124,9 @@ class PaddedInputs:
 
 @dataclass(frozen=True)
 class RowStack:
-    """The output rows of several quantized weights, in order (e.g. q and k in Q4_K, v in Q8)."""
+    """The output rows of several quantized weights, in order (e.g. q and k in Q4_K, v in Q6_K)."""
 
-    parts: tuple[Q8Weight | Q4KWeight, ...]
+    parts: tuple[BlockWeight, ...]
 
     @property
     def shape(self) -> torch.Size:
@@ -135,10 +140,10 @@ class RowStack:
         return torch.cat([p.matmul(x) for p in self.parts], dim=-1)
 
 
-def concat_rows(parts: Sequence[Q8Weight | Q4KWeight]) -> Q8Weight | Q4KWeight | RowStack:
+def concat_rows(parts: Sequence[BlockWeight]) -> BlockWeight | RowStack:
     """One weight with the parts' output rows in order: neighbours of one format are fused into one
     matrix (one kernel call), the rest stacked."""
-    groups: list[list[Q8Weight | Q4KWeight]] = []
+    groups: list[list[BlockWeight]] = []
     for part in parts:
         if groups and type(groups[-1][0]) is type(part):
             groups[-1].append(part)
@@ -148,4 +153,4 @@ def concat_rows(parts: Sequence[Q8Weight | Q4KWeight]) -> Q8Weight | Q4KWeight |
     return fused[0] if len(fused) == 1 else RowStack(tuple(fused))
 
 
-QuantizedWeight = Int8Weight | Q8Weight | Q4KWeight | PaddedInputs | RowStack
+QuantizedWeight = Int8Weight | BlockWeight | PaddedInputs | RowStack

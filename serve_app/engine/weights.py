@@ -4,7 +4,7 @@
 - prepacked (CPU): reordered once into oneDNN's blocked layout; large float32 matrices, bf16 on a CPU with
   native bf16 (AVX-512 BF16, AMX), where it is 1.5-2x faster than ``F.linear`` for matrix-vector
   products; elsewhere (AVX2 only) bf16 weights stay plain tensors (see ``prepack``).
-- quantized (``engine.quantized``): int8 for drafts; Q8 and the GGUF's own Q4_K blocks, computed
+- quantized (``engine.quantized``): int8 for drafts; Q8 and the GGUF's own Q4_K and Q6_K blocks, computed
   by our kernels, row-invariant, for targets too (``runtime.weight_format``: ``WEIGHT_FORMATS``).
 """
 
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from serve_app.engine.invariance import RowPlan
 from serve_app.engine.q4k_weight import Q4KWeight
+from serve_app.engine.q6k_weight import Q6KWeight
 from serve_app.engine.q8_weight import Q8Weight
 from serve_app.engine.quantized import (
     Int8Weight,
@@ -25,8 +26,8 @@ from serve_app.engine.quantized import (
 
 Weight = torch.Tensor | QuantizedWeight
 # A target's layer matrices (and head): as loaded ("dense"), Q8Weight ("q8"), or the pack's GGUF
-# blocks as they are ("gguf": Q4_K as Q4KWeight, Q8_0 / Q5_0 / Q4_0 as Q8Weight, others re-quantized
-# to Q8Weight; packs.gguf_blocks), or every matrix in 4 bits ("q4k": the GGUF's Q4_K blocks where it
+# blocks as they are ("gguf": Q4_K as Q4KWeight, Q6_K as Q6KWeight, Q8_0 / Q5_0 / Q4_0 as Q8Weight,
+# others re-quantized to Q8Weight; packs.extract_blocks), or every matrix in 4 bits ("q4k": the GGUF's Q4_K blocks where it
 # has them, the others re-quantized to Q4_K, inputs zero-padded to 256s; the cheapest per step, for
 # drafts, whose numbers only decide what is proposed).
 WEIGHT_FORMATS = ("dense", "q8", "gguf", "q4k")
@@ -108,6 +109,8 @@ def product_kind(weight: Weight) -> str:
         return f"q{weight.BITS} {weight.shape[0]}x{weight.shape[1]}"
     if isinstance(weight, Q4KWeight):
         return f"q4k {weight.shape[0]}x{weight.shape[1]}"
+    if isinstance(weight, Q6KWeight):
+        return f"q6k {weight.shape[0]}x{weight.shape[1]}"
     if isinstance(weight, PaddedInputs):
         return f"q4k {weight.shape[0]}x{weight.shape[1]} padded to {weight.weight.shape[1]}"
     if isinstance(weight, RowStack):

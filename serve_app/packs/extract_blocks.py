@@ -1,8 +1,9 @@
 """A pack's GGUF -> its blocks file (``engine.block_file``): the quantized matrices as they are.
 
-Q4_K tensors keep their blocks (scales unpacked); Q8_0, Q5_0 and Q4_0 tensors become int8 values
-with their own fp16 scale per 32 inputs (exact: each value is ``d * small integer``); other types
-(Q6_K, float) are left out and re-quantized to Q8 at load. Every kept matrix is checked against the
+Q4_K tensors keep their blocks (scales unpacked); Q6_K tensors their values, scales and d (split
+into low nibbles and top bits); Q8_0, Q5_0 and Q4_0 tensors become int8 values with their own fp16
+scale per 32 inputs (exact: each value is ``d * small integer``); other types (float) are left out
+and re-quantized to Q8 at load. Every kept matrix is checked against the
 pack's bf16 weights (which ``convert`` dequantized from the same GGUF): rows must match exactly,
 taking back llama.cpp's reordering of q / k rows for Llama models where it applies; a matrix that
 does not match is left out with a warning, never used.
@@ -22,7 +23,9 @@ import torch
 
 from serve_app.engine.block_file import BLOCKS_FILE, FORMAT, tensors_of
 from serve_app.engine.q4k_weight import Q4KBlocks, Q4KWeight
+from serve_app.engine.q6k_weight import Q6KBlocks, Q6KWeight
 from serve_app.engine.q8_weight import Q8Blocks, Q8Weight
+from serve_app.engine.quantized import BlockWeight
 
 LAYER_MATRICES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -65,6 +68,26 @@ def q4k_from_blocks(raw: np.ndarray, rows: int, cols: int) -> Q4KWeight:
     ))  # fmt: skip
 
 
+def q6k_from_blocks(raw: np.ndarray, rows: int, cols: int) -> Q6KWeight:
+    """Q6_K blocks (210 bytes per 256 inputs: 128 bytes of low nibbles, 64 of top bits, 16 int8
+    scales, fp16 d) -> ``Q6KWeight``. Per 128 inputs the GGUF keeps 64 bytes of nibbles (byte l: input
+    l in its low nibble, input 64 + l in its high one) and 32 of top bits (byte l, bits 2 t: input
+    32 t + l)."""
+    blocks = raw.reshape(rows, cols // 256, 210)
+    ql = blocks[..., 0:128].reshape(rows, cols // 256, 2, 64)  # [.., half of 128 inputs, l]
+    low = np.stack([ql & 0x0F, ql >> 4], axis=-2)  # [.., half, nibble, l]: input 64 nibble + l
+    qh = blocks[..., 128:192].reshape(rows, cols // 256, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3  # [.., half, t, l]
+    q = low.reshape(rows, cols // 256, 2, 128) | (high.reshape(rows, cols // 256, 2, 128) << 4)
+    scales = blocks[..., 192:208].copy().view(np.int8).reshape(rows, cols // 16)
+    d = blocks[..., 208:210].copy().view(np.int16)[..., 0]
+    return Q6KWeight.from_blocks(Q6KBlocks.from_values(
+        torch.from_numpy(np.ascontiguousarray(q.reshape(rows, cols))),
+        torch.from_numpy(np.ascontiguousarray(scales)),
+        torch.from_numpy(np.ascontiguousarray(d)),
+    ))  # fmt: skip
+
+
 def q8_from_blocks(raw: np.ndarray, rows: int, cols: int, quant_type: object) -> Q8Weight:
     """Q8_0 / Q5_0 / Q4_0 blocks (an fp16 scale ``d`` first, then 32 small integers) -> int8 values
     with that scale: ``round(dequantized / d)`` is the block's integer exactly."""
@@ -91,17 +114,15 @@ def _row_orders(rows: int, heads: tuple[int, ...]) -> list[torch.Tensor | None]:
     return orders
 
 
-def _reorder(weight: Q4KWeight | Q8Weight, index: torch.Tensor) -> Q4KWeight | Q8Weight:
+def _reorder(weight: BlockWeight, index: torch.Tensor) -> BlockWeight:
     return type(weight).from_blocks(weight.blocks().select_rows(index))
 
 
-def _dequantized(weight: Q4KWeight | Q8Weight) -> torch.Tensor:
+def _dequantized(weight: BlockWeight) -> torch.Tensor:
     return weight.dequantize()
 
 
-def matching(
-    weight: Q4KWeight | Q8Weight, dense: torch.Tensor, heads: tuple[int, ...]
-) -> Q4KWeight | Q8Weight | None:
+def matching(weight: BlockWeight, dense: torch.Tensor, heads: tuple[int, ...]) -> BlockWeight | None:
     """``weight`` in the row order whose values equal ``dense`` (bf16), or None if none does."""
     for index in _row_orders(weight.shape[0], heads):
         candidate = weight if index is None else _reorder(weight, index)
@@ -126,7 +147,7 @@ def extract_blocks(gguf_file: Path, model_dir: Path, progress: bool = True) -> P
         if f.name != BLOCKS_FILE
     ]
     dense_names = {name: h for h in handles for name in h.keys()}  # noqa: SIM118
-    converters: dict[object, Callable] = {Q.Q4_K: q4k_from_blocks}
+    converters: dict[object, Callable] = {Q.Q4_K: q4k_from_blocks, Q.Q6_K: q6k_from_blocks}
     for kind in (Q.Q8_0, Q.Q5_0, Q.Q4_0):
         converters[kind] = lambda raw, r, c, kind=kind: q8_from_blocks(raw, r, c, kind)
     out: dict[str, torch.Tensor] = {}

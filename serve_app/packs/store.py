@@ -44,6 +44,20 @@ __all__ = ["MARKER", "PACKS", "ModelStore", "PackSpec", "PackStatus", "PartSpec"
 
 MARKER = "specserve-pack.json"
 BLOCKS_FILE = "gguf-blocks.safetensors"  # engine.block_file.BLOCKS_FILE (that module loads torch)
+BLOCKS_FORMAT = "specserve-gguf-blocks/2"  # engine.block_file.FORMAT
+
+
+def blocks_format(path: Path) -> str | None:
+    """The ``format`` a safetensors file's metadata names, read from its JSON header (no torch);
+    None for a missing or unreadable file."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError):
+        return None
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return metadata.get("format") if isinstance(metadata, dict) else None
 
 
 def write_blocks(gguf: Path, folder: Path) -> None:
@@ -124,13 +138,14 @@ class ModelStore:
         return self._model_dir(name)
 
     def _add_blocks(self, name: str, progress: bool) -> None:
-        """Give a pack fetched before blocks files existed its blocks (joining its GGUF again)."""
+        """Give a pack fetched before blocks files existed (or before this format of them) its
+        blocks, joining its GGUF again."""
         folder = self._model_dir(name)
-        if self._write_blocks is None or (folder / BLOCKS_FILE).is_file():
+        if self._write_blocks is None or blocks_format(folder / BLOCKS_FILE) == BLOCKS_FORMAT:
             return
         gguf = self.gguf(name, progress)
         with conversion_lock(self.root / ".convert.lock", progress):
-            if not (folder / BLOCKS_FILE).is_file():
+            if blocks_format(folder / BLOCKS_FILE) != BLOCKS_FORMAT:
                 self._write_blocks(gguf, folder)
         gguf.unlink(missing_ok=True)
 

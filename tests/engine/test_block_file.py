@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from serve_app.engine.block_file import BLOCKS_FILE, FORMAT, read_blocks, resolve_weight_format, tensors_of
 from serve_app.engine.kernels import kernels_module
 from serve_app.engine.q4k_weight import Q4KWeight
+from serve_app.engine.q6k_weight import Q6KWeight
 from serve_app.engine.q8_weight import Q8Weight
 
 
@@ -26,6 +27,7 @@ def test_blocks_round_trip(tmp_path: Path) -> None:
     weights = {
         "model.layers.0.mlp.up_proj.weight": Q4KWeight.quantize(torch.randn(8, 256)),
         "model.layers.0.self_attn.v_proj.weight": Q8Weight.quantize(torch.randn(4, 64)),
+        "model.layers.0.mlp.down_proj.weight": Q6KWeight.quantize(torch.randn(20, 512)),
     }
     write_blocks(tmp_path, weights)
     read = read_blocks(tmp_path)

@@ -12,6 +12,7 @@ import torch
 
 from serve_app.engine.kernels import kernels_module
 from serve_app.engine.q4k_weight import Q4KWeight
+from serve_app.engine.q6k_weight import Q6KWeight
 from serve_app.engine.q8_weight import Q5Weight, Q8Weight
 from tests.engine.quantized_helpers import require_built_kernels
 
@@ -52,11 +53,12 @@ def products_on_every_path(module, weight, x: torch.Tensor) -> dict[str, torch.T
 # rows: 1 = decode; 3 = the VNNI path's groups of rows; 4 = AMX's first width; 9 = groups of 4, 4
 # and 1 (VNNI) or one tile (AMX); 17 and 33 = AMX chunks of 16 with a zero-padded tail. 67 outputs:
 # four groups of 16 and a last group of 3
+@pytest.mark.parametrize("six_bits", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 17, 33])
 @pytest.mark.parametrize("in_features", [256, 1536, 8960])
-def test_q4k_paths_agree(kernels, in_features: int, rows: int) -> None:
+def test_q4k_and_q6k_paths_agree(kernels, in_features: int, rows: int, six_bits: bool) -> None:
     torch.manual_seed(in_features)
-    weight = Q4KWeight.quantize(torch.randn(67, in_features) * 0.05)
+    weight = (Q6KWeight if six_bits else Q4KWeight).quantize(torch.randn(67, in_features) * 0.05)
     x = torch.randn(rows, in_features)
     out = products_on_every_path(kernels, weight, x)
     assert len(out) >= 2, f"only {list(out)} here"

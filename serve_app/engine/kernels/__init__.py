@@ -1,6 +1,6 @@
 """Our compiled kernels, built once by the install step: the Q8 product (``q8_linear.cpp``), the
-Q4_K product (``q4k_linear.cpp``), a layer's small float32 steps (``layer_ops.cpp``: RMS norm, the
-attention of few queries), one Python module (``module.cpp``).
+Q4_K and Q6_K products (``q4k_linear.cpp``, ``q6k_linear.cpp``), a layer's small float32 steps
+(``layer_ops.cpp``: RMS norm, the attention of few queries), one Python module (``module.cpp``).
 
 ``serve_app.native_build`` compiles the C++ sources with torch's extension builder into
 ``_build/`` beside them (``make install`` runs it); this package only loads what was built, so the
@@ -21,7 +21,7 @@ BUILD_DIR = SOURCE_DIR / "_build"
 MODULE_NAME = "specserve_kernels"
 SOURCES = tuple(
     SOURCE_DIR / name
-    for name in ("isa.cpp", "q8_linear.cpp", "q4k_linear.cpp", "layer_ops.cpp", "module.cpp")
+    for name in ("isa.cpp", "q8_linear.cpp", "q4k_linear.cpp", "q6k_linear.cpp", "layer_ops.cpp", "module.cpp")
 )
 BUILD_COMMAND = "python -m serve_app.native_build"
 

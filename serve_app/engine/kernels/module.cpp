@@ -7,6 +7,7 @@
 
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n, int64_t bits);
 torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n);
+torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor small_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                               const torch::Tensor& visible, int64_t width, double scale);
@@ -17,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "x @ dequant(Q8 or Q5 weight).T with int8 activations (exact in the rows)",
         py::call_guard<py::gil_scoped_release>());
   m.def("q4k_linear", &q4k_linear, "x @ dequant(Q4_K weight).T with int8 activations (exact in the rows)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q6k_linear", &q6k_linear, "x @ dequant(Q6_K weight).T with int8 activations (exact in the rows)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2) + eps) per row (float32, exact in the rows)",
         py::call_guard<py::gil_scoped_release>());

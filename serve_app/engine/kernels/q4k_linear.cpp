@@ -21,6 +21,7 @@
 #include "q4k_amx.h"
 #include "q4k_avx512.h"
 #include "q4k_tiles.h"
+#include "superblock_rows.h"
 
 namespace {
 
@@ -31,38 +32,6 @@ using namespace specserve::q4k;
 // From this many rows the AMX path beats the VNNI one (a tile product's fixed cost per block).
 constexpr int64_t kAmxMinRows = 4;
 constexpr int64_t kChunkGroups = 32;  // output groups per chunk of work (parallel_chunks)
-
-// Per row and super-block (llama.cpp's Q8_K): xq = round(x / s) in [-127, 127], s = max|x| / 127,
-// and each block's integer sum. Rows from ``rows`` up to ``padded`` are zero.
-void quantize_rows(const float* x, int64_t rows, int64_t padded, int64_t k, int8_t* q, float* scales,
-                   int16_t* bsums) {
-  const int64_t supers = k / kSuper;
-  std::memset(q + rows * k, 0, (padded - rows) * k);
-  std::fill(scales + rows * supers, scales + padded * supers, 0.f);
-  std::fill(bsums + rows * (k / kBlock), bsums + padded * (k / kBlock), int16_t{0});
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      for (int64_t s = 0; s < supers; ++s) {
-        const float* xs = x + m * k + s * kSuper;
-        float amax = 0.f;
-        for (int64_t i = 0; i < kSuper; ++i) amax = std::max(amax, std::fabs(xs[i]));
-        const float scale = amax / 127.f;
-        const float inv = scale > 0.f ? 1.f / scale : 0.f;
-        int8_t* qs = q + m * k + s * kSuper;
-        for (int64_t b = 0; b < kBlocks; ++b) {
-          int sum = 0;
-          for (int64_t i = 0; i < kBlock; ++i) {
-            const float v = std::clamp(std::nearbyint(xs[b * kBlock + i] * inv), -127.f, 127.f);
-            qs[b * kBlock + i] = static_cast<int8_t>(v);
-            sum += static_cast<int>(v);
-          }
-          bsums[(m * supers + s) * kBlocks + b] = static_cast<int16_t>(sum);
-        }
-        scales[m * supers + s] = scale;
-      }
-    }
-  });
-}
 
 // q of output o at input i (0..255) of a tile.
 inline int32_t tile_q(const Tile& w, int o, int i) {
@@ -195,7 +164,8 @@ torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& tiles, int
   std::vector<int8_t> xq(padded * k);
   std::vector<float> xs(padded * supers);
   std::vector<int16_t> bsums(padded * (k / kBlock));
-  quantize_rows(xf.data_ptr<float>(), rows, padded, k, xq.data(), xs.data(), bsums.data());
+  specserve::quantize_superblock_rows<kBlock>(xf.data_ptr<float>(), rows, padded, k, xq.data(), xs.data(),
+                                              bsums.data());
   const Rows activations{xq.data(), xs.data(), bsums.data(), k, supers};
   auto out = torch::empty({rows, n}, torch::kFloat32);
   float* o = out.data_ptr<float>();

