@@ -89,7 +89,9 @@ def read_blocks(model_dir: str | Path) -> dict[str, BlockWeight]:
             blocks = Q4KBlocks(*(entries[f"q4k.{field}"] for field in Q4K_FIELDS))
             weights[name] = Q4KWeight.from_blocks(blocks)
         elif "q6k.ql" in entries:
-            weights[name] = Q6KWeight.from_blocks(Q6KBlocks(*(entries[f"q6k.{field}"] for field in Q6K_FIELDS)))
+            weights[name] = Q6KWeight.from_blocks(
+                Q6KBlocks(*(entries[f"q6k.{field}"] for field in Q6K_FIELDS))
+            )
         else:
             plain = Q8Blocks(*(entries[f"q8.{field}"] for field in Q8_FIELDS))
             # the GGUF's Q5_0 / Q4_0 blocks: the same numbers from 5 bits

@@ -120,12 +120,18 @@ def _to_tiles(blocks: Q6KBlocks) -> torch.Tensor:
         return t.reshape(groups, TILE_OUTPUTS, *t.shape[1:])
 
     # input 256 s + 32 b + 16 h + 4 v + e -> [G, S, b, h, v, o, e]
-    q = grouped(blocks.values()).reshape(groups, TILE_OUTPUTS, supers, 8, 2, 4, 4).permute(0, 2, 3, 4, 5, 1, 6)
+    q = (
+        grouped(blocks.values())
+        .reshape(groups, TILE_OUTPUTS, supers, 8, 2, 4, 4)
+        .permute(0, 2, 3, 4, 5, 1, 6)
+    )
     nibbles = (q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)  # [G, S, b, v, o, e]
     # [G, S, b, h, t, v, byte]: bit 4 + t of q, then 64 bits into 8 bytes
     bits = torch.stack([(q >> 4) & 1, (q >> 5) & 1], dim=4).reshape(groups, supers, 8, 2, 2, 4, 8, 8)
     masks = (bits * _BITS).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
-    per_block = torch.cat([nibbles.reshape(groups, supers, 8, 256), masks.reshape(groups, supers, 8, 128)], dim=-1)
+    per_block = torch.cat(
+        [nibbles.reshape(groups, supers, 8, 256), masks.reshape(groups, supers, 8, 128)], dim=-1
+    )
     d = grouped(blocks.d).transpose(1, 2).contiguous().view(torch.uint8)  # [G, S, 32]
     # [G, S, j, o, 2]: the scales of sub-blocks 2 j and 2 j + 1 side by side
     sc = grouped(blocks.scales).reshape(groups, TILE_OUTPUTS, supers, 8, 2).permute(0, 2, 3, 1, 4)
@@ -145,7 +151,9 @@ def _from_tiles(tiles: torch.Tensor, out_features: int) -> Q6KBlocks:
     bits = bits.reshape(groups, supers, 8, 2, 2, 4, TILE_OUTPUTS, 4).to(torch.uint8)
     q = low | (bits[:, :, :, :, 0] << 4) | (bits[:, :, :, :, 1] << 5)  # [G, S, b, h, v, o, e]
     q = q.permute(0, 5, 1, 2, 3, 4, 6).reshape(groups * TILE_OUTPUTS, supers * SUPER)[:out_features]
-    scales = sc.contiguous().view(torch.int8).reshape(groups, supers, 8, TILE_OUTPUTS, 2).permute(0, 3, 1, 2, 4)
+    scales = (
+        sc.contiguous().view(torch.int8).reshape(groups, supers, 8, TILE_OUTPUTS, 2).permute(0, 3, 1, 2, 4)
+    )
     scales = scales.reshape(groups * TILE_OUTPUTS, -1)[:out_features]
     d = d.contiguous().view(torch.int16).transpose(1, 2).reshape(groups * TILE_OUTPUTS, -1)[:out_features]
     return Q6KBlocks.from_values(q, scales.contiguous(), d.contiguous())

@@ -27,9 +27,9 @@ from serve_app.engine.quantized import (
 Weight = torch.Tensor | QuantizedWeight
 # A target's layer matrices (and head): as loaded ("dense"), Q8Weight ("q8"), or the pack's GGUF
 # blocks as they are ("gguf": Q4_K as Q4KWeight, Q6_K as Q6KWeight, Q8_0 / Q5_0 / Q4_0 as Q8Weight,
-# others re-quantized to Q8Weight; packs.extract_blocks), or every matrix in 4 bits ("q4k": the GGUF's Q4_K blocks where it
-# has them, the others re-quantized to Q4_K, inputs zero-padded to 256s; the cheapest per step, for
-# drafts, whose numbers only decide what is proposed).
+# others re-quantized to Q8Weight; packs.extract_blocks), or every matrix in 4 bits ("q4k": the
+# GGUF's Q4_K blocks where it has them, the others re-quantized to Q4_K, inputs zero-padded to
+# 256s; the cheapest per step, for drafts, whose numbers only decide what is proposed).
 WEIGHT_FORMATS = ("dense", "q8", "gguf", "q4k")
 QUANTIZED_FORMATS = ("q8", "gguf", "q4k")  # the formats whose products run in our kernels
 

@@ -21,7 +21,14 @@ BUILD_DIR = SOURCE_DIR / "_build"
 MODULE_NAME = "specserve_kernels"
 SOURCES = tuple(
     SOURCE_DIR / name
-    for name in ("isa.cpp", "q8_linear.cpp", "q4k_linear.cpp", "q6k_linear.cpp", "layer_ops.cpp", "module.cpp")
+    for name in (
+        "isa.cpp",
+        "q8_linear.cpp",
+        "q4k_linear.cpp",
+        "q6k_linear.cpp",
+        "layer_ops.cpp",
+        "module.cpp",
+    )
 )
 BUILD_COMMAND = "python -m serve_app.native_build"
 

@@ -150,7 +150,9 @@ def test_blocks_of_another_format_are_extracted_again(tmp_path):
         written.append(gguf.read_bytes())
         write_header(folder / BLOCKS_FILE, BLOCKS_FORMAT)
 
-    store = ModelStore(tmp_path, {spec.name: spec}, downloader=no_download, converter=Recorder(), block_writer=writer)
+    store = ModelStore(
+        tmp_path, {spec.name: spec}, downloader=no_download, converter=Recorder(), block_writer=writer
+    )
     folder = store.fetch(spec.name, progress=False)
     assert written == [data] and blocks_format(folder / BLOCKS_FILE) == BLOCKS_FORMAT
     store.fetch(spec.name, progress=False)  # current: nothing to do
