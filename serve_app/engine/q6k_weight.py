@@ -24,10 +24,10 @@ SUB = 16  # inputs per sub-block (an int8 scale)
 TILE_OUTPUTS = 16  # output features per tile
 TILE_BYTES = 3392  # kernels/q6k_tiles.h: kTileBytes
 META_BYTES = 320  # d (32), scale pairs (256), zero (32)
-BLOCK_BYTES = 384  # 4 vectors of nibbles (256), 16 masks of 64 bits (128)
+BLOCK_BYTES = 384  # 4 vectors of nibbles (256), 2 vectors of top bits (128)
 OFFSET = 32  # w = d * sc * (q - 32)
 
-_BITS = 1 << torch.arange(8, dtype=torch.uint8)  # bit k of a mask byte
+_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)  # vector v's top bits: bits 2 v, 2 v + 1
 
 
 def pack_crumbs(high: torch.Tensor) -> torch.Tensor:
@@ -126,11 +126,11 @@ def _to_tiles(blocks: Q6KBlocks) -> torch.Tensor:
         .permute(0, 2, 3, 4, 5, 1, 6)
     )
     nibbles = (q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)  # [G, S, b, v, o, e]
-    # [G, S, b, h, t, v, byte]: bit 4 + t of q, then 64 bits into 8 bytes
-    bits = torch.stack([(q >> 4) & 1, (q >> 5) & 1], dim=4).reshape(groups, supers, 8, 2, 2, 4, 8, 8)
-    masks = (bits * _BITS).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+    # [G, S, b, h, byte]: the top bits of vector v at bits 2 v, 2 v + 1
+    crumbs = (q >> 4).reshape(groups, supers, 8, 2, 4, 64) << _SHIFTS.reshape(4, 1)
+    top = crumbs.sum(dim=4, dtype=torch.int32).to(torch.uint8)
     per_block = torch.cat(
-        [nibbles.reshape(groups, supers, 8, 256), masks.reshape(groups, supers, 8, 128)], dim=-1
+        [nibbles.reshape(groups, supers, 8, 256), top.reshape(groups, supers, 8, 128)], dim=-1
     )
     d = grouped(blocks.d).transpose(1, 2).contiguous().view(torch.uint8)  # [G, S, 32]
     # [G, S, j, o, 2]: the scales of sub-blocks 2 j and 2 j + 1 side by side
@@ -144,12 +144,11 @@ def _from_tiles(tiles: torch.Tensor, out_features: int) -> Q6KBlocks:
     """The inverse of ``_to_tiles``."""
     groups, supers, _ = tiles.shape
     d, sc, _zero, per_block = tiles.split([32, 256, META_BYTES - 288, 8 * BLOCK_BYTES], dim=-1)
-    nibbles, masks = per_block.reshape(groups, supers, 8, BLOCK_BYTES).split([256, 128], dim=-1)
+    nibbles, top = per_block.reshape(groups, supers, 8, BLOCK_BYTES).split([256, 128], dim=-1)
     nibbles = nibbles.reshape(groups, supers, 8, 4, TILE_OUTPUTS, 4)  # [G, S, b, v, o, e]
     low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3)  # [G, S, b, h, v, o, e]
-    bits = (masks.reshape(groups, supers, 8, 2, 2, 4, 8, 1) & _BITS) != 0  # [G, S, b, h, t, v, byte/8, bit]
-    bits = bits.reshape(groups, supers, 8, 2, 2, 4, TILE_OUTPUTS, 4).to(torch.uint8)
-    q = low | (bits[:, :, :, :, 0] << 4) | (bits[:, :, :, :, 1] << 5)  # [G, S, b, h, v, o, e]
+    top = top.reshape(groups, supers, 8, 2, 1, 64) >> _SHIFTS.reshape(4, 1)  # [G, S, b, h, v, byte]
+    q = low | ((top & 3) << 4).reshape(low.shape)  # [G, S, b, h, v, o, e]
     q = q.permute(0, 5, 1, 2, 3, 4, 6).reshape(groups * TILE_OUTPUTS, supers * SUPER)[:out_features]
     scales = (
         sc.contiguous().view(torch.int8).reshape(groups, supers, 8, TILE_OUTPUTS, 2).permute(0, 3, 1, 2, 4)

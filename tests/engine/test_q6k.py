@@ -102,15 +102,15 @@ def test_tiles_hold_the_blocks_exactly(out_features: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(back.tensors(), blocks.tensors(), strict=True))
     assert torch.equal(weight.dequantize(), blocks.dequantize())
     # a tile is what q6k_tiles.h says: output 5's d first; its scale of sub-block 3 in pair 1;
-    # its q at input 17 (block 0, high nibble of vector 0, byte 4 * 5 + 1) with bits 4, 5 in masks
+    # its q at input 21 (block 0, high nibble of vector 1, byte 4 * 5 + 1), its top bits in bits 2, 3
+    # of byte 4 * 5 + 1 of the block's second top-bits vector
     tile, q = weight.tiles[0, 0], blocks.values()
     assert tile[10:12].view(torch.int16).item() == blocks.d[5, 0].item()
     assert tile[32 + 32 * 1 + 2 * 5 + 1].view(torch.int8).item() == blocks.scales[5, 3].item()
     byte = 4 * 5 + 1
-    low = tile[320 + byte] >> 4
-    bit4 = (tile[320 + 256 + 8 * (4 * 2 + 0) + byte // 8] >> (byte % 8)) & 1
-    bit5 = (tile[320 + 256 + 8 * (4 * 3 + 0) + byte // 8] >> (byte % 8)) & 1
-    assert low | (bit4 << 4) | (bit5 << 5) == q[5, 17]
+    low = tile[320 + 64 * 1 + byte] >> 4
+    top = (tile[320 + 256 + 64 + byte] >> 2) & 3
+    assert low | (top << 4) == q[5, 21]
 
 
 def test_concat_keeps_whole_groups_and_retiles_the_rest() -> None:

@@ -1,6 +1,6 @@
 // The AVX-512 VNNI form of the Q6_K product (the numbers: ``q6k_tiles.h``): 16 outputs per register.
-// A block's 6-bit values are put together once per pass from their nibbles and two bit masks
-// (_mm512_mask_add_epi8: the low nibble never has those bits, so adding sets them); one
+// A block's 6-bit values are put together once per pass from their nibbles and their top bits
+// (a shift and one vpternlogd: nibble | (shifted & 0x30)); one
 // _mm512_dpbusd_epi32 per 16 outputs x 4 inputs against the row's 4 activations broadcast; each
 // sub-block's sum times its 16 scales by _mm512_mullo_epi32; the offset's share (32 sc bsum) by
 // _mm512_dpwssd_epi32 on the scale pairs; then the float step for 16 outputs at once, lane o exactly
@@ -21,24 +21,27 @@ inline SPECSERVE_AVX512_FN __m512i broadcast4(const void* p) {  // 4 bytes (acti
   return _mm512_set1_epi32(v);
 }
 
-inline SPECSERVE_AVX512_FN __mmask64 load_mask(const uint8_t* p) {
-  uint64_t bits;
-  std::memcpy(&bits, p, 8);
-  return static_cast<__mmask64>(bits);
-}
-
 // Block b's 8 vectors of q: w[v] holds inputs 32 b + 4 v + e (sub-block 2 b), w[4 + v] inputs
 // 32 b + 16 + 4 v + e (sub-block 2 b + 1), byte 4 o + e.
+inline SPECSERVE_AVX512_FN __m512i top_bits_at_4(__m512i top, int v) {  // bits 2 v, 2 v + 1 -> 4, 5
+  switch (v) {
+    case 0: return _mm512_slli_epi16(top, 4);
+    case 1: return _mm512_slli_epi16(top, 2);
+    case 2: return top;
+    default: return _mm512_srli_epi16(top, 2);
+  }
+}
+
 inline SPECSERVE_AVX512_FN void load_block(const Tile& t, int64_t b, __m512i w[8]) {
-  const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bit5 = _mm512_set1_epi8(0x20);
+  const __m512i low = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
   const uint8_t* nibbles = t.block(b);
+  const __m512i top[2] = {_mm512_loadu_si512(t.top(b, 0)), _mm512_loadu_si512(t.top(b, 1))};
+#pragma GCC unroll 4
   for (int v = 0; v < 4; ++v) {
     const __m512i bytes = _mm512_loadu_si512(nibbles + 64 * v);
-    for (int h = 0; h < 2; ++h) {
-      __m512i q = _mm512_and_si512(h ? _mm512_srli_epi16(bytes, 4) : bytes, low);
-      q = _mm512_mask_add_epi8(q, load_mask(t.mask(b, h, 0, v)), q, bit4);
-      w[4 * h + v] = _mm512_mask_add_epi8(q, load_mask(t.mask(b, h, 1, v)), q, bit5);
-    }
+    const __m512i q[2] = {_mm512_and_si512(bytes, low), _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low)};
+    for (int h = 0; h < 2; ++h)  // q | (top & 0x30): 0xF8 is A | (B & C)
+      w[4 * h + v] = _mm512_ternarylogic_epi32(q[h], top_bits_at_4(top[h], v), bits45, 0xF8);
   }
 }
 

@@ -34,9 +34,8 @@ constexpr int64_t kChunkGroups = 32;  // output groups per chunk of work (parall
 inline int32_t tile_q(const Tile& t, int o, int i) {
   const int b = i / kBlock, j = i % kBlock, h = j >= 16, v = (j % 16) / 4, byte = 4 * o + j % 4;
   const uint8_t nibbles = t.block(b)[64 * v + byte];
-  int32_t q = h ? nibbles >> 4 : nibbles & 0x0F;
-  for (int bit = 0; bit < 2; ++bit) q |= ((t.mask(b, h, bit, v)[byte / 8] >> (byte % 8)) & 1) << (4 + bit);
-  return q;
+  const int32_t q = h ? nibbles >> 4 : nibbles & 0x0F;
+  return q | (((t.top(b, h)[byte] >> (2 * v)) & 3) << 4);
 }
 
 // sc of output o's sub-block sb (0..15).
@@ -71,27 +70,24 @@ inline __m256i broadcast4_avx2(const void* p) {
   return _mm256_set1_epi32(v);
 }
 
-// 32 bits, one per byte: 0xFF where the bit is set.
-inline __m256i spread_bits(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)),
-                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+inline __m256i top_bits_at_4(__m256i top, int v) {  // bits 2 v, 2 v + 1 -> 4, 5 (others unmasked)
+  switch (v) {
+    case 0: return _mm256_slli_epi16(top, 4);
+    case 1: return _mm256_slli_epi16(top, 2);
+    case 2: return top;
+    default: return _mm256_srli_epi16(top, 2);
+  }
 }
 
 // Half H (outputs 8 H .. 8 H + 7: bytes 32 H .. 32 H + 31) of block b's 8 vectors of q.
 inline void load_half(const Tile& t, int64_t b, int H, __m256i w[8]) {
-  const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), bit5 = _mm256_set1_epi8(0x20);
+  const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   for (int v = 0; v < 4; ++v) {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.block(b) + 64 * v + 32 * H));
     for (int h = 0; h < 2; ++h) {
-      uint32_t b4, b5;
-      std::memcpy(&b4, t.mask(b, h, 0, v) + 4 * H, 4);
-      std::memcpy(&b5, t.mask(b, h, 1, v) + 4 * H, 4);
+      const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.top(b, h) + 32 * H));
       const __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(bytes, 4) : bytes, low);
-      const __m256i high = _mm256_or_si256(_mm256_and_si256(spread_bits(b4), bit4), _mm256_and_si256(spread_bits(b5), bit5));
-      w[4 * h + v] = _mm256_or_si256(q, high);
+      w[4 * h + v] = _mm256_or_si256(q, _mm256_and_si256(top_bits_at_4(top, v), bits45));
     }
   }
 }

@@ -27,8 +27,10 @@
 //     [0, 256)    4 vectors of 64 bytes: byte 4 o + e of vector v holds the low 4 bits of q of input
 //                 32 b + 4 v + e of output o (sub-block 2 b) in its low nibble, those of input
 //                 32 b + 16 + 4 v + e (sub-block 2 b + 1) in its high nibble: Q4_K's order;
-//     [256, 384)  16 masks of 64 bits: mask 4 (2 h + t) + v, bit i = bit 4 + t of q at byte i of
-//                 vector v's nibbles h (h 0: low nibbles, 1: high nibbles).
+//     [256, 384)  the top 2 bits of q: 2 vectors of 64 bytes, vector h (0: the low nibbles' inputs,
+//                 1: the high nibbles') holding in bits 2 v, 2 v + 1 of byte i those of byte i of
+//                 vector v's nibbles h. Shifting the vector left by 4 - 2 v puts them at bits 4, 5,
+//                 where one vpternlogd merges them with the nibble (cheaper than bit masks).
 // The scales come first so that a path reading them before the values reads every tile in
 // ascending order (the hardware prefetcher follows ascending streams).
 #pragma once
@@ -45,7 +47,7 @@ constexpr int64_t kBlocks = kSuper / kBlock;  // 8
 constexpr int64_t kOutputs = 16;              // output features per tile
 constexpr int64_t kMetaBytes = 320;           // d, sc pairs, padding: 5 lines
 constexpr int64_t kNibbleBytes = 256;         // a block's 4 vectors of nibbles
-constexpr int64_t kBlockBytes = kNibbleBytes + 16 * 8;          // 384 = 6 lines
+constexpr int64_t kBlockBytes = kNibbleBytes + 2 * 64;          // 384 = 6 lines
 constexpr int64_t kTileBytes = kMetaBytes + kBlocks * kBlockBytes;  // 3392 = 53 lines
 constexpr int32_t kOffset = 32;
 
@@ -59,10 +61,8 @@ struct Tile {  // one tile's parts
         blocks(t + kMetaBytes) {}
 
   const uint8_t* block(int64_t b) const { return blocks + b * kBlockBytes; }
-  // mask (h, t, v) of block b: 64 bits, one per byte of the vector
-  const uint8_t* mask(int64_t b, int h, int t, int v) const {
-    return block(b) + kNibbleBytes + 8 * (4 * (2 * h + t) + v);
-  }
+  // the top bits of block b's nibbles h: 64 bytes, four 2-bit fields each
+  const uint8_t* top(int64_t b, int h) const { return block(b) + kNibbleBytes + 64 * h; }
 };
 
 struct Rows {  // quantized activation rows
