@@ -13,12 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.engine import huge_pages
-from serve_app.engine.kernels import require_kernels
+from serve_app.engine.superblock_weight import SUPER, TILE_OUTPUTS, SuperBlockWeight
 
-SUPER = 256  # inputs per super-block (an fp16 d and dmin)
 BLOCK = 32  # inputs per block (a 6-bit scale and min)
-TILE_OUTPUTS = 16  # output features per tile
 TILE_BYTES = 2368  # kernels/q4k_tiles.h: kTileBytes
 
 
@@ -149,48 +146,14 @@ def _from_tiles(tiles: torch.Tensor, out_features: int) -> Q4KBlocks:
 
 
 @dataclass(frozen=True)
-class Q4KWeight:
+class Q4KWeight(SuperBlockWeight):
     """A Q4_K matrix as our kernel reads it (4.6 bits per weight), multiplied by int8 activations
     quantized per row and super-block: exact integer sums and one fixed order of float steps, so
     each row's result is independent of the other rows (``kernels/q4k_tiles.h``)."""
 
     tiles: torch.Tensor  # [ceil(out / 16), in / 256, 2368] uint8
-    out_features: int
 
-    @classmethod
-    def from_blocks(cls, blocks: Q4KBlocks) -> Q4KWeight:
-        return cls(huge_pages.copy(_to_tiles(blocks)), blocks.shape[0])
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Q4KWeight:
-        """From dense weights (tests, matrices a GGUF does not have): ``Q4KBlocks.quantize``."""
-        return cls.from_blocks(Q4KBlocks.quantize(weight))
-
-    @classmethod
-    def concat(cls, parts: Sequence[Q4KWeight]) -> Q4KWeight:
-        """One matrix with the parts' output rows in order."""
-        if all(p.out_features % TILE_OUTPUTS == 0 for p in parts[:-1]):  # whole groups: tiles as they are
-            tiles = huge_pages.copy(torch.cat([p.tiles for p in parts]))
-            return cls(tiles, sum(p.out_features for p in parts))
-        return cls.from_blocks(Q4KBlocks.cat([p.blocks() for p in parts]))
-
-    def blocks(self) -> Q4KBlocks:
-        """The GGUF layout of the same numbers."""
-        return _from_tiles(self.tiles, self.out_features)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.tiles.shape[1] * SUPER))
-
-    @property
-    def nbytes(self) -> int:
-        return self.tiles.numel()
-
-    def dequantize(self) -> torch.Tensor:
-        """The weights as float32 ``[out, in]``."""
-        return self.blocks().dequantize()
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # [M, in]
-        out = require_kernels("gguf").q4k_linear(flat, self.tiles, self.out_features)  # [M, out] f32
-        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    BLOCKS = Q4KBlocks
+    KERNEL = "q4k_linear"
+    TO_TILES = staticmethod(_to_tiles)
+    FROM_TILES = staticmethod(_from_tiles)

@@ -15,13 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.engine import huge_pages
-from serve_app.engine.kernels import require_kernels
 from serve_app.engine.q4k_weight import pack_nibbles, unpack_nibbles
+from serve_app.engine.superblock_weight import SUPER, TILE_OUTPUTS, SuperBlockWeight
 
-SUPER = 256  # inputs per super-block (an fp16 d)
 SUB = 16  # inputs per sub-block (an int8 scale)
-TILE_OUTPUTS = 16  # output features per tile
 TILE_BYTES = 3392  # kernels/q6k_tiles.h: kTileBytes
 META_BYTES = 320  # d (32), scale pairs (256), zero (32)
 BLOCK_BYTES = 384  # 4 vectors of nibbles (256), 2 vectors of top bits (128)
@@ -159,48 +156,14 @@ def _from_tiles(tiles: torch.Tensor, out_features: int) -> Q6KBlocks:
 
 
 @dataclass(frozen=True)
-class Q6KWeight:
+class Q6KWeight(SuperBlockWeight):
     """A Q6_K matrix as our kernel reads it (6.6 bits per weight), multiplied by int8 activations
     quantized per row and super-block: exact integer sums and one fixed order of float steps, so
     each row's result is independent of the other rows (``kernels/q6k_tiles.h``)."""
 
     tiles: torch.Tensor  # [ceil(out / 16), in / 256, 3392] uint8
-    out_features: int
 
-    @classmethod
-    def from_blocks(cls, blocks: Q6KBlocks) -> Q6KWeight:
-        return cls(huge_pages.copy(_to_tiles(blocks)), blocks.shape[0])
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Q6KWeight:
-        """From dense weights (tests): ``Q6KBlocks.quantize``."""
-        return cls.from_blocks(Q6KBlocks.quantize(weight))
-
-    @classmethod
-    def concat(cls, parts: Sequence[Q6KWeight]) -> Q6KWeight:
-        """One matrix with the parts' output rows in order."""
-        if all(p.out_features % TILE_OUTPUTS == 0 for p in parts[:-1]):  # whole groups: tiles as they are
-            tiles = huge_pages.copy(torch.cat([p.tiles for p in parts]))
-            return cls(tiles, sum(p.out_features for p in parts))
-        return cls.from_blocks(Q6KBlocks.cat([p.blocks() for p in parts]))
-
-    def blocks(self) -> Q6KBlocks:
-        """The plain layout of the same numbers."""
-        return _from_tiles(self.tiles, self.out_features)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.tiles.shape[1] * SUPER))
-
-    @property
-    def nbytes(self) -> int:
-        return self.tiles.numel()
-
-    def dequantize(self) -> torch.Tensor:
-        """The weights as float32 ``[out, in]``."""
-        return self.blocks().dequantize()
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # [M, in]
-        out = require_kernels("gguf").q6k_linear(flat, self.tiles, self.out_features)  # [M, out] f32
-        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    BLOCKS = Q6KBlocks
+    KERNEL = "q6k_linear"
+    TO_TILES = staticmethod(_to_tiles)
+    FROM_TILES = staticmethod(_from_tiles)

@@ -46,6 +46,14 @@ void force_isa(const char* name);  // "auto", "amx", "avx512", "avx2" or "scalar
 int64_t tile_prefetch_rows();
 void set_tile_prefetch(int64_t rows);
 
+// The outputs of one group of a tiled product: ``count`` features (16, fewer in the last group) at
+// ``out`` + o, rows ``stride`` apart.
+struct GroupOut {
+  float* out;
+  int64_t stride;
+  int count;
+};
+
 inline float half_to_float(uint16_t h) {
 #if SPECSERVE_AVX2
   return _cvtsh_ss(h);

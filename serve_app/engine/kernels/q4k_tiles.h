@@ -36,6 +36,9 @@
 
 #include <cstdint>
 
+#include "common.h"
+#include "superblock_rows.h"
+
 namespace specserve::q4k {
 
 constexpr int64_t kSuper = 256;
@@ -61,20 +64,7 @@ struct Tile {  // one tile's parts
         mn(t + 4 * kOutputs) {}
 };
 
-struct Rows {  // quantized activation rows
-  const int8_t* q;       // [M, K]
-  const float* scale;    // [M, K / 256]
-  const int16_t* bsum;   // [M, K / 32]
-  int64_t k;
-  int64_t supers;        // K / 256
-};
-
-// The output of one group: ``count`` features (16, fewer in the last group) at ``out`` + o, rows
-// ``stride`` apart.
-struct Out {
-  float* out;
-  int64_t stride;
-  int count;
-};
+using Rows = specserve::SuperBlockRows;  // bsum: per block of 32 (Q4_K) / sub-block of 16 (Q6_K)
+using Out = specserve::GroupOut;
 
 }  // namespace specserve::q4k

@@ -37,6 +37,9 @@
 
 #include <cstdint>
 
+#include "common.h"
+#include "superblock_rows.h"
+
 namespace specserve::q6k {
 
 constexpr int64_t kSuper = 256;
@@ -65,20 +68,7 @@ struct Tile {  // one tile's parts
   const uint8_t* top(int64_t b, int h) const { return block(b) + kNibbleBytes + 64 * h; }
 };
 
-struct Rows {  // quantized activation rows
-  const int8_t* q;       // [M, K]
-  const float* scale;    // [M, K / 256]
-  const int16_t* bsum;   // [M, K / 16]
-  int64_t k;
-  int64_t supers;        // K / 256
-};
-
-// The output of one group: ``count`` features (16, fewer in the last group) at ``out`` + o, rows
-// ``stride`` apart.
-struct Out {
-  float* out;
-  int64_t stride;
-  int count;
-};
+using Rows = specserve::SuperBlockRows;  // bsum: per block of 32 (Q4_K) / sub-block of 16 (Q6_K)
+using Out = specserve::GroupOut;
 
 }  // namespace specserve::q6k

@@ -32,6 +32,8 @@
 
 #include <cstdint>
 
+#include "common.h"
+
 namespace specserve::q8 {
 
 constexpr int64_t kBlock = 32;
@@ -79,10 +81,6 @@ struct Rows {  // quantized activation rows
   int64_t blocks;       // K / 32
 };
 
-struct Out {  // one group's outputs: ``count`` features (16, fewer in the last group)
-  float* out;
-  int64_t stride;
-  int count;
-};
+using Out = specserve::GroupOut;
 
 }  // namespace specserve::q8

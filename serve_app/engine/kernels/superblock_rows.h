@@ -14,6 +14,14 @@ namespace specserve {
 
 constexpr int64_t kSuperBlock = 256;
 
+struct SuperBlockRows {  // quantized activation rows
+  const int8_t* q;       // [M, K]
+  const float* scale;    // [M, K / 256]
+  const int16_t* bsum;   // [M, K / run]: each run's integer sum (Q4_K: 32 inputs, Q6_K: 16)
+  int64_t k;
+  int64_t supers;        // K / 256
+};
+
 // Rows from ``rows`` up to ``padded`` are zero. q [padded, k], scales [padded, k / 256],
 // sums [padded, k / kSum].
 template <int64_t kSum>
