@@ -8,12 +8,11 @@ A model keeps only the tiles; ``Q4KWeight.blocks()`` gives the GGUF layout back,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from serve_app.engine.superblock_weight import SUPER, TILE_OUTPUTS, SuperBlockWeight
+from serve_app.engine.superblock_weight import SUPER, TILE_OUTPUTS, BlockFields, SuperBlockWeight
 
 BLOCK = 32  # inputs per block (a 6-bit scale and min)
 TILE_BYTES = 2368  # kernels/q4k_tiles.h: kTileBytes
@@ -35,7 +34,7 @@ def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Q4KBlocks:
+class Q4KBlocks(BlockFields):
     """``w = d * scale[b] * q - dmin * min[b]`` in the GGUF's layout, its 6-bit scales unpacked.
 
     Per 256 inputs an fp16 ``d`` and ``dmin``; per block of 32 an integer ``scale`` and ``min``
@@ -52,16 +51,6 @@ class Q4KBlocks:
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.qs.shape[0], self.qs.shape[1] * 2))
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, f) for f in self.FIELDS)
-
-    def select_rows(self, index: torch.Tensor) -> Q4KBlocks:
-        return Q4KBlocks(*(t.index_select(0, index).contiguous() for t in self.tensors()))
-
-    @classmethod
-    def cat(cls, parts: Sequence[Q4KBlocks]) -> Q4KBlocks:
-        return cls(*(torch.cat(ts).contiguous() for ts in zip(*(p.tensors() for p in parts), strict=True)))
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Q4KBlocks:

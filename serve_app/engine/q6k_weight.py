@@ -10,13 +10,12 @@ in Q6_K: 6.6 bits per weight, against the 8.5 of the Q8 they were re-quantized t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from serve_app.engine.q4k_weight import pack_nibbles, unpack_nibbles
-from serve_app.engine.superblock_weight import SUPER, TILE_OUTPUTS, SuperBlockWeight
+from serve_app.engine.superblock_weight import SUPER, TILE_OUTPUTS, BlockFields, SuperBlockWeight
 
 SUB = 16  # inputs per sub-block (an int8 scale)
 TILE_BYTES = 3392  # kernels/q6k_tiles.h: kTileBytes
@@ -45,7 +44,7 @@ def unpack_crumbs(qh: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Q6KBlocks:
+class Q6KBlocks(BlockFields):
     """``w = d * scale[b] * (q - 32)``: per 256 inputs an fp16 ``d``, per sub-block of 16 a signed
     ``scale``, per input a 6-bit ``q`` (its low 4 bits in ``ql``, its top 2 in ``qh``)."""
 
@@ -60,9 +59,6 @@ class Q6KBlocks:
     def shape(self) -> torch.Size:
         return torch.Size((self.ql.shape[0], self.ql.shape[1] * 2))
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, f) for f in self.FIELDS)
-
     def values(self) -> torch.Tensor:
         """q as [out, in] uint8, 0..63."""
         return unpack_nibbles(self.ql) | (unpack_crumbs(self.qh) << 4)
@@ -72,13 +68,6 @@ class Q6KBlocks:
         """From q [out, in] (0..63), scales [out, in / 16] int8 and d [out, in / 256] fp16 bits."""
         q = q.to(torch.uint8)
         return cls(pack_nibbles(q & 0x0F), pack_crumbs(q >> 4), scales.contiguous(), d.contiguous())
-
-    def select_rows(self, index: torch.Tensor) -> Q6KBlocks:
-        return Q6KBlocks(*(t.index_select(0, index).contiguous() for t in self.tensors()))
-
-    @classmethod
-    def cat(cls, parts: Sequence[Q6KBlocks]) -> Q6KBlocks:
-        return cls(*(torch.cat(ts).contiguous() for ts in zip(*(p.tensors() for p in parts), strict=True)))
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Q6KBlocks:

@@ -18,6 +18,23 @@ SUPER = 256  # inputs per super-block
 TILE_OUTPUTS = 16  # output features per tile
 
 
+class BlockFields:
+    """What a plain blocks layout (a frozen dataclass of per-row tensors named in ``FIELDS``) can do
+    by rows: its tensors in order, a selection of rows, several stacked."""
+
+    FIELDS: ClassVar[tuple[str, ...]]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f) for f in self.FIELDS)
+
+    def select_rows(self, index: torch.Tensor) -> Self:
+        return type(self)(*(t.index_select(0, index).contiguous() for t in self.tensors()))
+
+    @classmethod
+    def cat(cls, parts: Sequence[Self]) -> Self:
+        return cls(*(torch.cat(ts).contiguous() for ts in zip(*(p.tensors() for p in parts), strict=True)))
+
+
 @dataclass(frozen=True)
 class SuperBlockWeight:
     """A matrix as a super-block kernel reads it, multiplied by int8 activations quantized per row
