@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.engine.q4k_weight import pack_nibbles, unpack_nibbles
 from serve_app.engine.superblock_weight import SUPER, TILE_OUTPUTS, BlockFields, SuperBlockWeight
 
 SUB = 16  # inputs per sub-block (an int8 scale)
@@ -24,6 +23,21 @@ BLOCK_BYTES = 384  # 4 vectors of nibbles (256), 2 vectors of top bits (128)
 OFFSET = 32  # w = d * sc * (q - 32)
 
 _SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)  # vector v's top bits: bits 2 v, 2 v + 1
+
+
+def pack_low_bits(low: torch.Tensor) -> torch.Tensor:
+    """4-bit values [out, in] (0..15) -> bytes [out, in / 2] in the GGUF's Q6_K order: per 128
+    inputs 64 bytes, byte l holding input l in its low nibble and input 64 + l in its high one."""
+    out_features, in_features = low.shape
+    halves = low.to(torch.uint8).reshape(out_features, in_features // 128, 2, 64)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out_features, in_features // 2)
+
+
+def unpack_low_bits(ql: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_low_bits``: [out, in / 2] bytes -> [out, in] values 0..15."""
+    out_features, half = ql.shape
+    chunks = ql.reshape(out_features, half // 64, 64)
+    return torch.stack([chunks & 0x0F, chunks >> 4], dim=2).reshape(out_features, half * 2)
 
 
 def pack_crumbs(high: torch.Tensor) -> torch.Tensor:
@@ -39,16 +53,16 @@ def unpack_crumbs(qh: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pack_crumbs``: [out, in / 4] bytes -> [out, in] values 0..3."""
     out_features, quarter = qh.shape
     chunks = qh.reshape(out_features, quarter // 32, 1, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
-    return ((chunks >> shifts) & 3).reshape(out_features, quarter * 4)
+    return ((chunks >> _SHIFTS.reshape(4, 1)) & 3).reshape(out_features, quarter * 4)
 
 
 @dataclass(frozen=True)
 class Q6KBlocks(BlockFields):
     """``w = d * scale[b] * (q - 32)``: per 256 inputs an fp16 ``d``, per sub-block of 16 a signed
-    ``scale``, per input a 6-bit ``q`` (its low 4 bits in ``ql``, its top 2 in ``qh``)."""
+    ``scale``, per input a 6-bit ``q`` (its low 4 bits in ``ql``, its top 2 in ``qh``), each part the
+    GGUF's bytes as they are."""
 
-    ql: torch.Tensor  # [out, in / 2] uint8, the low 4 bits (``q4k_weight.pack_nibbles``' order)
+    ql: torch.Tensor  # [out, in / 2] uint8, the low 4 bits (``pack_low_bits``' order)
     qh: torch.Tensor  # [out, in / 4] uint8, the top 2 bits (``pack_crumbs``' order)
     scales: torch.Tensor  # [out, in / 16] int8
     d: torch.Tensor  # [out, in / 256] fp16 bits as int16
@@ -61,13 +75,13 @@ class Q6KBlocks(BlockFields):
 
     def values(self) -> torch.Tensor:
         """q as [out, in] uint8, 0..63."""
-        return unpack_nibbles(self.ql) | (unpack_crumbs(self.qh) << 4)
+        return unpack_low_bits(self.ql) | (unpack_crumbs(self.qh) << 4)
 
     @classmethod
     def from_values(cls, q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> Q6KBlocks:
         """From q [out, in] (0..63), scales [out, in / 16] int8 and d [out, in / 256] fp16 bits."""
         q = q.to(torch.uint8)
-        return cls(pack_nibbles(q & 0x0F), pack_crumbs(q >> 4), scales.contiguous(), d.contiguous())
+        return cls(pack_low_bits(q & 0x0F), pack_crumbs(q >> 4), scales.contiguous(), d.contiguous())
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Q6KBlocks:

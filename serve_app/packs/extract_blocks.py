@@ -70,22 +70,15 @@ def q4k_from_blocks(raw: np.ndarray, rows: int, cols: int) -> Q4KWeight:
 
 def q6k_from_blocks(raw: np.ndarray, rows: int, cols: int) -> Q6KWeight:
     """Q6_K blocks (210 bytes per 256 inputs: 128 bytes of low nibbles, 64 of top bits, 16 int8
-    scales, fp16 d) -> ``Q6KWeight``. Per 128 inputs the GGUF keeps 64 bytes of nibbles (byte l: input
-    l in its low nibble, input 64 + l in its high one) and 32 of top bits (byte l, bits 2 t: input
-    32 t + l)."""
+    scales, fp16 d) -> ``Q6KWeight``; ``Q6KBlocks`` keeps each part's bytes in the GGUF's order."""
     blocks = raw.reshape(rows, cols // 256, 210)
-    ql = blocks[..., 0:128].reshape(rows, cols // 256, 2, 64)  # [.., half of 128 inputs, l]
-    low = np.stack([ql & 0x0F, ql >> 4], axis=-2)  # [.., half, nibble, l]: input 64 nibble + l
-    qh = blocks[..., 128:192].reshape(rows, cols // 256, 2, 1, 32)
-    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3  # [.., half, t, l]
-    q = low.reshape(rows, cols // 256, 2, 128) | (high.reshape(rows, cols // 256, 2, 128) << 4)
-    scales = blocks[..., 192:208].copy().view(np.int8).reshape(rows, cols // 16)
-    d = blocks[..., 208:210].copy().view(np.int16)[..., 0]
-    return Q6KWeight.from_blocks(Q6KBlocks.from_values(
-        torch.from_numpy(np.ascontiguousarray(q.reshape(rows, cols))),
-        torch.from_numpy(np.ascontiguousarray(scales)),
-        torch.from_numpy(np.ascontiguousarray(d)),
-    ))  # fmt: skip
+
+    def part(start: int, end: int, dtype: type = np.uint8) -> torch.Tensor:  # [rows, bytes of all blocks]
+        return torch.from_numpy(np.ascontiguousarray(blocks[..., start:end]).view(dtype).reshape(rows, -1))
+
+    return Q6KWeight.from_blocks(
+        Q6KBlocks(part(0, 128), part(128, 192), part(192, 208, np.int8), part(208, 210, np.int16))
+    )
 
 
 def q8_from_blocks(raw: np.ndarray, rows: int, cols: int, quant_type: object) -> Q8Weight:
