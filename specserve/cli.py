@@ -129,6 +129,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return run_calibrate(args, settings_from(args))
 
 
+def cmd_train_heads(args: argparse.Namespace) -> int:
+    from training.command import run_train_heads
+
+    return run_train_heads(args, settings_from(args))
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.quality:
         from loadtest.bench.quality import measure_quality
@@ -188,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     from loadtest.calibrate.command import add_arguments as calibrate_arguments
     from loadtest.matrix_arguments import add_arguments as loadtest_arguments
     from loadtest.soak import add_arguments as soak_arguments
+    from training.command import add_arguments as heads_arguments
 
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -237,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = sub.add_parser("calibrate", help="calibrate a proposer for a model (stored with the model)")
     calibrate_arguments(calibrate, runtime_flags)
     calibrate.set_defaults(func=cmd_calibrate)
+
+    heads = sub.add_parser("train-heads", help="train EAGLE / Medusa heads on a target (stored with it)")
+    runtime_flags(heads)
+    heads_arguments(heads)
+    heads.set_defaults(func=cmd_train_heads)
 
     bench = sub.add_parser(
         "bench", help="benchmark our decoding, plain and speculative, against transformers"

@@ -6,9 +6,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+import torch
+
 from policies.base import Decision
 from serve_app.engine.planner import PlannedRequest
-from serve_app.engine.proposers.base import Draft, LookaheadProposer, Proposer, ProposeRow
+from serve_app.engine.proposers.base import Draft, FeatureProposer, LookaheadProposer, Proposer, ProposeRow
 from serve_app.engine.request import Request
 
 
@@ -32,6 +34,15 @@ def admit(proposer: Proposer, name: str, request: Request) -> None:
     if name not in request.proposers_admitted:
         proposer.admit(request.slot, request.prompt_ids + request.output_ids[:-1])
         request.proposers_admitted.add(name)
+
+
+def hand_features(heads: Mapping[str, FeatureProposer], request: Request, features: torch.Tensor) -> None:
+    """Give every feature proposer (EAGLE, Medusa) the target's hidden states ``[n, H]`` of the
+    ``n`` tokens the target's cache just kept for ``request``; the first time, admit it for the
+    request, so its state is released with the request."""
+    for name, proposer in heads.items():
+        admit(proposer, name, request)  # type: ignore[arg-type]
+        proposer.observe_features(request.slot, features)
 
 
 def lookahead(lookups: Mapping[str, LookaheadProposer], request: Request, max_depth: int) -> dict[str, int]:

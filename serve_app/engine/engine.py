@@ -23,7 +23,7 @@ from serve_app.engine.block_file import resolve_weight_format
 from serve_app.engine.decoder_config import read_generation_eos
 from serve_app.engine.detokenizer import IncrementalDetokenizer
 from serve_app.engine.device import DTYPES, resolve_device, resolve_dtype
-from serve_app.engine.drafting import draft_rows, lookahead, planned_request
+from serve_app.engine.drafting import draft_rows, hand_features, lookahead, planned_request
 from serve_app.engine.engine_config import COUPLED, EngineConfig
 from serve_app.engine.exactness import Exactness, make_exact
 from serve_app.engine.grammar import GrammarCompiler, constrain, trim_drafts
@@ -35,6 +35,7 @@ from serve_app.engine.penalties import PenaltyState, penalize
 from serve_app.engine.planner import PlannedRequest, SpeculationPlanner, StatsSink
 from serve_app.engine.profiling import profile_cost_model
 from serve_app.engine.proposers.base import (
+    FeatureProposer,
     LookaheadProposer,
     ModelDrafter,
     Proposer,
@@ -78,6 +79,8 @@ class SpecEngine:
         self.proposers: dict[str, Proposer] = dict(proposers or {})
         # Proposers that say their draft length before the step (n-gram): asked for every request.
         self._lookups = {n: p for n, p in self.proposers.items() if isinstance(p, LookaheadProposer)}
+        # Proposers that draft from the target's hidden states (heads): fed after every forward.
+        self._heads = {n: p for n, p in self.proposers.items() if isinstance(p, FeatureProposer)}
         if config.spec_method is not None and config.spec_method not in self.proposers:
             raise ValueError(
                 f"speculation method {config.spec_method!r} has no proposer loaded "
@@ -250,6 +253,7 @@ class SpecEngine:
         tokens = torch.tensor([request.prompt_ids], device=self.model.device)  # [1, P]
         hidden = self.model.forward(tokens, self.cache, [request.slot])
         self.cache.set_length(request.slot, len(request.prompt_ids))
+        hand_features(self._heads, request, hidden[0])
         logits = self.model.logits(hidden[:, -1:])  # [1, 1, V]
         scored = penalize(logits, [request], [[]])  # penalties / logit_bias; logprobs read the raw logits
         scored = constrain(scored, [request], [[]])  # the grammar's mask (structured output)
@@ -289,11 +293,12 @@ class SpecEngine:
         # From the verify forward's logits: a verified position's row is plain decoding's (Exact).
         runs = emitted_logprobs(logits, result.tokens, [r.params.logprobs for r in requests], self.pieces)
         outputs = []
-        for request, decision, draft, accepted, emitted, run in zip(
+        for b, (request, decision, draft, accepted, emitted, run) in enumerate(zip(
             requests, decisions, drafts, result.num_accepted, result.tokens, runs, strict=True
-        ):
+        )):  # fmt: skip
             # Keep the fed token and the accepted drafts; the rest of the row is garbage now.
             self.cache.set_length(request.slot, self.cache.lengths[request.slot] + 1 + accepted)
+            hand_features(self._heads, request, hidden[b, : 1 + accepted])
             if decision.proposer is not None:
                 self.proposers[decision.proposer].commit(request.slot, accepted)
             request.spec_stats.record(decision.proposer, len(draft.tokens), accepted)

@@ -285,6 +285,8 @@ class DecoderModel:
         positions: torch.Tensor | None = None,  # [B, T]; default lengths[slot_b] + t
         block_mask: torch.Tensor | None = None,  # [B, T, T] bool: new token t may see new token u
         layers: Sequence[int] | None = None,  # subset of layers to run (self-speculation)
+        embeds: torch.Tensor | None = None,  # [B, T, hidden] the first layer's input instead of the
+        # tokens' embeddings (an EAGLE head: its input is made from a feature and a token)
     ) -> torch.Tensor:
         """Run the decoder, writing K/V for every new token; return normed hidden ``[B, T, hidden]``.
 
@@ -299,7 +301,7 @@ class DecoderModel:
             )
         cos, sin = self._rope(positions)
         mask, causal = self._attention_mask(batch, positions, block_mask)
-        x = F.embedding(tokens, self.embed)
+        x = F.embedding(tokens, self.embed) if embeds is None else embeds
         for i in range(self.cfg.num_layers) if layers is None else layers:
             x = self.layers[i](x, i, cache, batch, cos, sin, mask, causal)
         return _rms_norm(x, self.norm, self.cfg.rms_norm_eps)

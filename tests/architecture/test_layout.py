@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("serve_app", "policies", "loadtest", "deploy", "specserve")
+PACKAGES = ("serve_app", "policies", "loadtest", "deploy", "training", "specserve")
 MAX_LINES = 400
 
 
@@ -140,7 +140,7 @@ def _imports_of(prefix: str) -> dict[str, set[str]]:
 
 
 def test_policies_import_nothing_of_ours() -> None:
-    ours = ("serve_app", "loadtest", "deploy", "specserve")
+    ours = ("serve_app", "loadtest", "deploy", "training", "specserve")
     bad = {
         m: sorted(n for n in names if n.split(".")[0] in ours) for m, names in _imports_of("policies").items()
     }
@@ -167,7 +167,7 @@ def test_engine_imports_no_serving_or_io_library() -> None:
             for n in names
             if n.split(".")[0] in ENGINE_FORBIDDEN
             or (n.startswith("serve_app.") and not n.startswith("serve_app.engine"))
-            or n.split(".")[0] in ("loadtest", "deploy", "specserve")
+            or n.split(".")[0] in ("loadtest", "deploy", "training", "specserve")
         )
         if wrong:
             bad[module] = wrong
@@ -175,7 +175,7 @@ def test_engine_imports_no_serving_or_io_library() -> None:
 
 
 def test_serving_imports_no_tool() -> None:
-    tools = ("loadtest", "deploy", "specserve")
+    tools = ("loadtest", "deploy", "training", "specserve")
     bad = {
         m: sorted(n for n in names if n.split(".")[0] in tools)
         for m, names in _imports_of("serve_app").items()

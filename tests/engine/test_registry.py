@@ -155,7 +155,7 @@ def test_fallback_is_the_first_proposer_without_a_model():
 
 
 def test_unknown_name_lists_the_registered():
-    with pytest.raises(ValueError, match="registered proposers: draft, ngram, self"):
+    with pytest.raises(ValueError, match="registered proposers: draft, eagle, medusa, ngram, self"):
         proposer_spec("nope")
 
 

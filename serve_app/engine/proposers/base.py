@@ -89,6 +89,20 @@ class LookaheadProposer(Protocol):
         """Tokens ``propose`` would draft for ``row`` now (at most ``row.depth``)."""
 
 
+@runtime_checkable
+class FeatureProposer(Protocol):
+    """A proposer that drafts from the target's own hidden states (EAGLE, Medusa heads).
+
+    The engine hands it the target's final normed hidden state of every token the target's cache
+    keeps, in order, from the forwards it runs anyway: the prompt's at prefill, then after each
+    step the fed token's and the accepted drafts' (``hidden[b, :1 + accepted]``). So when a row's
+    sequence is ``x_0 .. x_n`` (``x_n`` not cached yet), it has seen ``feature_0 .. feature_{n-1}``.
+    The engine admits it for every request at prefill, so ``release`` always follows."""
+
+    def observe_features(self, slot: int, features: torch.Tensor) -> None:
+        """``features`` ``[n, hidden]``: the next ``n`` positions' hidden states of ``slot``."""
+
+
 def needs_prefill(proposer: object) -> bool:
     """Whether admitting a request to ``proposer`` costs a prefill (the draft model reads the whole
     sequence into its own cache). A proposer that drafts from state the target already holds says

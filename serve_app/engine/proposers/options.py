@@ -68,3 +68,27 @@ class SelfSpecOptions(_Options):
         le=1.0,
         description="A greedy draft stops early once its top token's probability falls below this.",
     )
+
+
+class HeadOptions(_Options):
+    """A draft head trained on the target (EAGLE, Medusa): ``specserve train-heads``."""
+
+    path: str | None = Field(
+        None,
+        description="The head file; null = the one stored with the target (heads/<proposer>.safetensors "
+        "in its model folder).",
+    )
+    weight_format: Literal["target", "dense", "q8"] = Field(
+        "target",
+        description="The head's matrices: q8 for a quantized target, its dtype for a dense one "
+        "(target), or as named.",
+    )
+    head_tokens: int = Field(
+        0, ge=0, description="Tokens the head can propose (the most frequent); 0 = as it was trained."
+    )
+    min_confidence: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="A greedy draft stops early once its top token's probability falls below this.",
+    )

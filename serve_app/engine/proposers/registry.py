@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from serve_app.engine.proposers.options import (
     DraftModelOptions,
+    HeadOptions,
     NgramOptions,
     NoOptions,
     SelfSpecOptions,
@@ -204,3 +205,15 @@ register_proposer(
     "the target drafts for itself through a subset of its layers (no second model)",
     options=SelfSpecOptions,
 )("serve_app.engine.proposers.self_spec:build_self_spec_proposer")
+
+register_proposer(
+    "eagle",
+    "a one-layer head trained on the target drafts from the target's own features (train-heads)",
+    options=HeadOptions,
+)("serve_app.engine.proposers.eagle:build_eagle_proposer")
+
+register_proposer(
+    "medusa",
+    "heads trained on the target read several tokens ahead off its last feature (train-heads)",
+    options=HeadOptions,
+)("serve_app.engine.proposers.medusa:build_medusa_proposer")

@@ -1,0 +1,1 @@
+"""Draft heads trained on a target (EAGLE, Medusa): their runtimes and their files."""
