@@ -129,7 +129,8 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
     training = {
         "corpus": "standard library and site-packages sources and docs" if not roots else list(roots),
         "seed": args.seed, "tokens": len(shards["train"]) * per_shard, "chunk_tokens": args.chunk,
-        "epochs": args.epochs, "features_from": weight_format, "bf16_training": spec.bf16, "extract_seconds": round(extract_seconds, 1),
+        "epochs": args.epochs, "features_from": weight_format, "bf16_training": spec.bf16,
+        "extract_seconds": round(extract_seconds, 1),
         "train_seconds": round(train_seconds, 1), "held_out": held_out, "threads": torch.get_num_threads(),
     }  # fmt: skip
     written = {}
