@@ -25,8 +25,8 @@ from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.proposers.registry import proposer_specs
 from serve_app.engine.structured import StructuredOutput
 
-# Plain decoding, then every proposer that drafts without a model of its own (the registry's).
-MODES = ["off", *(spec.name for spec in proposer_specs() if spec.model_role is None)]
+# Plain decoding, then every proposer that drafts without a model of its own or trained heads.
+MODES = ["off", *(spec.name for spec in proposer_specs() if spec.model_role is None and not spec.trained)]
 NO_DRAFT_MODELS = {spec.model_role: None for spec in proposer_specs() if spec.model_role}  # none loaded
 ASKS = {
     "person": "Invent a person and describe them as JSON with their name, age and whether they are a member.",

@@ -152,7 +152,8 @@ def method_names(depths: Sequence[int]) -> list[str]:
     """Every method, in report order, for these depths of the model-based proposers."""
     names = [PLAIN, NONINVARIANT, AUTO, *TRANSFORMERS, LLAMA_CPP]
     names += [f"{PREFIX}{p}-d{k}" for p in model_proposers() for k in set(depths)]
-    names += [f"{PREFIX}{p}" for p in lookup_proposers()]
+    trained = {s.name for s in proposer_specs() if s.trained}  # heads: only where asked (--methods)
+    names += [f"{PREFIX}{p}" for p in lookup_proposers() if p not in trained]
     names += [f"{PREFIX}{p}{s}" for p in layer_skipping_proposers() for s in ("", f"-{DEFAULT_PLAN}")]
     return in_report_order(names)
 

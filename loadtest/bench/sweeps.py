@@ -27,7 +27,7 @@ import torch
 
 from policies import PLAIN_POLICY
 from serve_app.config import OFF
-from serve_app.engine.proposers.registry import registered_proposers
+from serve_app.engine.proposers.registry import proposer_specs
 
 SWEEP_PLAIN = PLAIN_POLICY  # the plain-decoding mode (speculation off); every other mode is a proposer
 COST_TOKENS = (1, 2, 4, 8, 16, 32)  # new tokens per row in one target forward
@@ -36,8 +36,9 @@ COST_CONTEXT = 200
 
 
 def sweep_modes() -> list[str]:
-    """Every mode: plain, then every registered proposer (``--sweep-modes`` chooses among them)."""
-    return [SWEEP_PLAIN, *registered_proposers()]
+    """Every mode: plain, then every registered proposer but trained heads (``--sweep-modes`` chooses
+    among them)."""
+    return [SWEEP_PLAIN, *(s.name for s in proposer_specs() if not s.trained)]
 
 
 def _log(message: str) -> None:

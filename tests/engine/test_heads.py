@@ -101,7 +101,7 @@ def test_a_head_is_refused_for_another_target_altered_or_of_another_kind(stored,
         load_head(weights, "medusa", stored)
     other = tmp_path / "other"
     make_tiny_hf_model(len(tiny_tokenizer), arch="qwen2", hidden=64, seed=7).save_pretrained(other)
-    with pytest.raises(HeadMismatchError, match="trained for target tiny .* not for the other one"):
+    with pytest.raises(HeadMismatchError, match=r"trained for target tiny .* not for the other one"):
         load_head(weights, "eagle", other, "the other one")
     altered = tmp_path / "eagle.safetensors"
     altered.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)

@@ -53,9 +53,10 @@ def test_training_learns_and_resumes_and_the_heads_serve_exactly(corpus, tiny_to
     assert [p.stat().st_mtime_ns for p in shards] == mtimes  # kept, not recomputed
 
     def trainer(epochs: int) -> HeadTrainer:
-        return HeadTrainer(TrainSpec(epochs=epochs, batch_chunks=2, lr=3e-3, eagle_intermediate=128,
-                                     warmup_steps=2), model.cfg, model.hf_config, model.embed,
-                           dense_output_head(model, folder), head_index(None, model.cfg.vocab_size))  # fmt: skip
+        spec = TrainSpec(epochs=epochs, batch_chunks=2, lr=3e-3, eagle_intermediate=128, warmup_steps=2)
+        rows = dense_output_head(model, folder)
+        index = head_index(None, rows.shape[0])
+        return HeadTrainer(spec, model.cfg, model.hf_config, model.embed, rows, index)
 
     fresh = trainer(6)
     before = fresh.evaluate(shards)

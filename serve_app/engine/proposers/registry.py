@@ -81,6 +81,9 @@ class ProposerSpec:
     model_role: str | None = None
     cold_acceptance: tuple[float, ...] | None = None
     always_load: bool = False
+    # Drafts with heads trained on the target (a file `specserve train-heads` writes beside it):
+    # tools run it only where asked, since a machine has it only after training.
+    trained: bool = False
 
     @property
     def module(self) -> str:
@@ -100,6 +103,7 @@ def register_proposer(
     model_role: str | None = None,
     cold_acceptance: Sequence[float] | None = None,
     always_load: bool = False,
+    trained: bool = False,
 ) -> Callable[[ProposerFactory | str], ProposerFactory | str]:
     """Decorator: register ``factory`` (a callable or ``"module:function"``) under ``name``.
 
@@ -124,7 +128,7 @@ def register_proposer(
         if not callable(built):
             raise TypeError(f"proposer {name!r}: factory must be callable, got {factory!r}")
         desc = " ".join(description.split())
-        _REGISTRY[name] = ProposerSpec(name, desc, built, options, model_role, cold, always_load)
+        _REGISTRY[name] = ProposerSpec(name, desc, built, options, model_role, cold, always_load, trained)
         return factory
 
     return decorator
@@ -210,10 +214,12 @@ register_proposer(
     "eagle",
     "a one-layer head trained on the target drafts from the target's own features (train-heads)",
     options=HeadOptions,
+    trained=True,
 )("serve_app.engine.proposers.eagle:build_eagle_proposer")
 
 register_proposer(
     "medusa",
     "heads trained on the target read several tokens ahead off its last feature (train-heads)",
     options=HeadOptions,
+    trained=True,
 )("serve_app.engine.proposers.medusa:build_medusa_proposer")
