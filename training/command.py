@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from serve_app.config import Settings
+from serve_app.engine.proposers.registry import proposer_specs
 
-KINDS = ("eagle", "medusa")
+KINDS = tuple(s.name for s in proposer_specs() if s.trained)  # the heads this command trains
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +64,7 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
     from serve_app.engine.heads.head_file import HeadManifest, save_head, target_fingerprint
     from serve_app.engine.model import DecoderModel
     from serve_app.engine.proposers.draft_model import frequent_token_ids
+    from serve_app.engine.proposers.eagle import KIND as EAGLE
     from serve_app.engine.weights import onednn_bf16_supported
     from training.corpus import CorpusSpec, token_chunks
     from training.features import extract_shards
@@ -141,7 +143,7 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
         }
         config |= (
             {"intermediate_size": net.intermediate_size}
-            if kind == "eagle"
+            if kind == EAGLE
             else {"num_heads": args.medusa_heads}
         )
         manifest = HeadManifest(kind, config, name, fingerprint, training=training)

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from serve_app.engine.proposers.eagle import KIND as EAGLE
+from serve_app.engine.proposers.medusa import KIND as MEDUSA
 from training.features import read_shard
 from training.networks import EagleNet, MedusaNet
 
@@ -33,7 +35,7 @@ IGNORE = -100
 
 @dataclass(frozen=True)
 class TrainSpec:
-    kinds: tuple[str, ...] = ("eagle", "medusa")
+    kinds: tuple[str, ...] = (EAGLE, MEDUSA)
     epochs: int = 2
     batch_chunks: int = 4
     lr: float = 1e-3
@@ -98,11 +100,11 @@ class HeadTrainer:
         self.head_rows = head_rows.float()  # frozen [N, H]
         self.label_index = label_index  # [V] -> row or IGNORE
         self.nets: dict[str, torch.nn.Module] = {}
-        if "eagle" in spec.kinds:
+        if EAGLE in spec.kinds:
             inter = spec.eagle_intermediate or max(256, cfg.intermediate_size // 4 // 256 * 256)  # type: ignore[attr-defined]
-            self.nets["eagle"] = EagleNet(cfg, hf_config, inter)  # type: ignore[arg-type]
-        if "medusa" in spec.kinds:
-            self.nets["medusa"] = MedusaNet(cfg.hidden_size, spec.medusa_heads)  # type: ignore[attr-defined]
+            self.nets[EAGLE] = EagleNet(cfg, hf_config, inter)  # type: ignore[arg-type]
+        if MEDUSA in spec.kinds:
+            self.nets[MEDUSA] = MedusaNet(cfg.hidden_size, spec.medusa_heads)  # type: ignore[attr-defined]
         self.optimizers = {k: torch.optim.AdamW(n.parameters(), lr=spec.lr, weight_decay=0.0)
                            for k, n in self.nets.items()}  # fmt: skip
         self.step_count = 0
@@ -113,23 +115,23 @@ class HeadTrainer:
         """Each kind's loss on one batch (tokens / choices ``[B, L]``, features ``[B, L, H]``)."""
         labels = self.label_index[choices.long()]  # [B, L]
         out = {}
-        if "eagle" in self.nets:
-            pred = self.nets["eagle"](tokens[:, 1:].long(), features[:, :-1], self.embed)  # [B, L-1, H]
+        if EAGLE in self.nets:
+            pred = self.nets[EAGLE](tokens[:, 1:].long(), features[:, :-1], self.embed)  # [B, L-1, H]
             reg = F.smooth_l1_loss(pred, features[:, 1:])
             ce, hits, count = _ce(pred, self.head_rows, labels[:, 1:])
-            out["eagle"] = reg + self.spec.cls_weight * ce
-            metrics.add("eagle.reg", reg.item())
-            metrics.add("eagle.ce", ce.item())
-            metrics.add("eagle.top1", hits / max(count, 1), count)
-        if "medusa" in self.nets:
-            hidden = self.nets["medusa"](features)  # [B, L, K, H]
+            out[EAGLE] = reg + self.spec.cls_weight * ce
+            metrics.add(f"{EAGLE}.reg", reg.item())
+            metrics.add(f"{EAGLE}.ce", ce.item())
+            metrics.add(f"{EAGLE}.top1", hits / max(count, 1), count)
+        if MEDUSA in self.nets:
+            hidden = self.nets[MEDUSA](features)  # [B, L, K, H]
             total = hidden.new_zeros(())
             for k in range(hidden.shape[2]):
                 ce, hits, count = _ce(hidden[:, : -(k + 1), k], self.head_rows, labels[:, k + 1 :])
                 total = total + 0.8**k * ce
-                metrics.add(f"medusa.top1.{k}", hits / max(count, 1), count)
-            out["medusa"] = total
-            metrics.add("medusa.loss", total.item())
+                metrics.add(f"{MEDUSA}.top1.{k}", hits / max(count, 1), count)
+            out[MEDUSA] = total
+            metrics.add(f"{MEDUSA}.loss", total.item())
         return out
 
     def step(self, batch: dict[str, torch.Tensor], total_steps: int, metrics: Metrics) -> None:
