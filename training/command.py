@@ -88,7 +88,6 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
         args.work_dir
         or Path(settings.store.cache_dir) / "heads-work" / f"{Path(path).name}-s{args.seed}-c{args.chunk}"
     )
-    per_shard = args.chunk * args.chunks_per_shard
     roots = tuple(args.corpus_root)
 
     def log(message: str) -> None:
@@ -97,10 +96,12 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
     log(f"{name} ({weight_format}, {dtype}, {torch.get_num_threads()} threads) -> {', '.join(args.kinds)}; "
         f"work folder {work}")  # fmt: skip
     started = time.perf_counter()
-    shards = {}
+    shards: dict[str, list[Path]] = {}
+    chunks_per: dict[str, int] = {}
     for split, tokens, held_out in (("train", args.tokens, False), ("held-out", args.held_out_tokens, True)):
         per = min(args.chunks_per_shard, math.ceil(tokens / args.chunk))  # chunks per shard
         count = max(1, math.ceil(tokens / (per * args.chunk)))
+        chunks_per[split] = per
         corpus = CorpusSpec(seed=args.seed, chunk_tokens=args.chunk, held_out=held_out, roots=roots)
         with tqdm(
             total=count * per * args.chunk, unit="tok", desc=f"features ({split})", file=sys.stderr
@@ -116,7 +117,7 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
                      args.medusa_heads, bf16=onednn_bf16_supported())  # fmt: skip
     trainer = HeadTrainer(spec, model.cfg, model.hf_config, model.embed, rows, head_index(head_ids, vocab))
     del model  # the shards hold what training needs (the embedding and head rows stay referenced)
-    steps = spec.epochs * len(shards["train"]) * math.ceil(args.chunks_per_shard / args.batch)
+    steps = spec.epochs * len(shards["train"]) * math.ceil(chunks_per["train"] / args.batch)
     started = time.perf_counter()
     with tqdm(total=steps, unit="step", desc="training", file=sys.stderr) as bar:
 
@@ -130,7 +131,8 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
     fingerprint = target_fingerprint(path)
     training = {
         "corpus": "standard library and site-packages sources and docs" if not roots else list(roots),
-        "seed": args.seed, "tokens": len(shards["train"]) * per_shard, "chunk_tokens": args.chunk,
+        "seed": args.seed, "tokens": len(shards["train"]) * chunks_per["train"] * args.chunk,
+        "chunk_tokens": args.chunk,
         "epochs": args.epochs, "features_from": weight_format, "bf16_training": spec.bf16,
         "extract_seconds": round(extract_seconds, 1),
         "train_seconds": round(train_seconds, 1), "held_out": held_out, "threads": torch.get_num_threads(),
