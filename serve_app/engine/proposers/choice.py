@@ -60,3 +60,23 @@ def choose_tokens(
         Choice(t, None if r.generator is None else q[b], confidence[b])
         for b, (t, r) in enumerate(zip(picked, rows, strict=True))
     ]
+
+
+def take_choices(
+    active: list[int],
+    chosen: list[Choice],
+    rows: list[ProposeRow],
+    tokens: list[list[int]],
+    probs: list[list[torch.Tensor]],
+    min_confidence: float,
+) -> list[int]:
+    """Append each active row's choice (and its q) to its draft; the rows that draft on: not yet
+    at their depth, and not unsure (top probability at least ``min_confidence``)."""
+    still = []
+    for i, choice in zip(active, chosen, strict=True):
+        tokens[i].append(choice.token)
+        if choice.q is not None:
+            probs[i].append(choice.q)
+        if len(tokens[i]) < rows[i].depth and choice.confidence >= min_confidence:
+            still.append(i)
+    return still

@@ -25,7 +25,7 @@ import torch
 
 from serve_app.engine.heads.eagle_head import EagleHead
 from serve_app.engine.proposers.base import Draft, ProposeRow
-from serve_app.engine.proposers.choice import choose_tokens
+from serve_app.engine.proposers.choice import choose_tokens, take_choices
 from serve_app.engine.proposers.head_loading import HeadParts, load_head_parts
 from serve_app.engine.proposers.registry import ProposerContext
 
@@ -94,14 +94,7 @@ class EagleProposer:
                     self.min_confidence > 0,
                     [len(tokens[i]) for i in active],
                 )
-                still = []
-                for i, choice in zip(active, chosen, strict=True):
-                    tokens[i].append(choice.token)
-                    if choice.q is not None:
-                        probs[i].append(choice.q)
-                    if len(tokens[i]) < rows[i].depth and choice.confidence >= self.min_confidence:
-                        still.append(i)
-                active = still
+                active = take_choices(active, chosen, rows, tokens, probs, self.min_confidence)
                 if not active:
                     break
                 for i in active:  # the pair (prediction, d_j) goes to row n + j - 1

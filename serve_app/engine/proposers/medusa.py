@@ -18,7 +18,7 @@ import torch
 
 from serve_app.engine.heads.medusa_heads import MedusaHeads
 from serve_app.engine.proposers.base import Draft, ProposeRow
-from serve_app.engine.proposers.choice import choose_tokens
+from serve_app.engine.proposers.choice import choose_tokens, take_choices
 from serve_app.engine.proposers.head_loading import load_head_parts
 from serve_app.engine.proposers.registry import ProposerContext
 
@@ -70,14 +70,7 @@ class MedusaProposer:
             chosen = choose_tokens(
                 [rows[i] for i in active], logits[active, k], self.min_confidence > 0, [k] * len(active)
             )
-            still = []
-            for i, choice in zip(active, chosen, strict=True):
-                tokens[i].append(choice.token)
-                if choice.q is not None:
-                    probs[i].append(choice.q)
-                if len(tokens[i]) < rows[i].depth and choice.confidence >= self.min_confidence:
-                    still.append(i)
-            active = still
+            active = take_choices(active, chosen, rows, tokens, probs, self.min_confidence)
         return [
             Draft(tokens=t, probs=torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)
         ]

@@ -39,7 +39,7 @@ import torch
 from serve_app.engine.kv_cache import KVCache
 from serve_app.engine.model import DecoderModel
 from serve_app.engine.proposers.base import Draft, ProposeRow
-from serve_app.engine.proposers.choice import choose_tokens
+from serve_app.engine.proposers.choice import choose_tokens, take_choices
 from serve_app.engine.proposers.registry import ProposerContext
 from serve_app.engine.proposers.skip_plan import SkipPlan, check_skip, resolve_plan
 
@@ -144,15 +144,9 @@ class SelfSpecProposer:
                     self.min_confidence > 0,
                     [len(tokens[i]) for i in active],
                 )
-                still = []
                 for i, choice in zip(active, chosen, strict=True):
-                    tokens[i].append(choice.token)
-                    if choice.q is not None:
-                        probs[i].append(choice.q)
                     feed[i] = choice.token
-                    if len(tokens[i]) < rows[i].depth and choice.confidence >= self.min_confidence:
-                        still.append(i)
-                active = still
+                active = take_choices(active, chosen, rows, tokens, probs, self.min_confidence)
         finally:
             for row, start in zip(rows, starts, strict=True):
                 cache.set_length(row.slot, start)
