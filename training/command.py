@@ -2,6 +2,8 @@
 
 1. the corpus (``training.corpus``: the standard library's and installed packages' sources and
    docs) -> the served target's features and choices, written as shards (``training.features``);
+   and the target's own greedy answers to questions about documented functions, recorded with
+   their features as they are generated (``training.answers``);
 2. the heads learn from the shards (``training.trainer``), evaluated on held-out files;
 3. each head is written beside the target in the store (``heads/<kind>.safetensors`` + manifest),
    where the ``eagle`` and ``medusa`` proposers find it.
@@ -50,6 +52,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the target's format for the features: as served (default), or dense bf16 (faster here)",
     )
     parser.add_argument("--corpus-root", action="append", default=[], help="read these folders instead")
+    parser.add_argument(
+        "--answers",
+        type=int,
+        default=1024,
+        help="questions the target answers greedily to train on its own answers (0: the corpus only)",
+    )
+    parser.add_argument("--answer-tokens", type=int, default=256, help="the longest answer, in tokens")
+    parser.add_argument("--answer-batch", type=int, default=16, help="questions answered at once")
+    parser.add_argument(
+        "--eagle-steps", type=int, default=3, help="drafting steps EAGLE trains on (on its own predictions)"
+    )
 
 
 def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
@@ -59,6 +72,7 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
 
     from serve_app.builder import model_store
     from serve_app.engine.block_file import resolve_weight_format
+    from serve_app.engine.decoder_config import read_generation_eos
     from serve_app.engine.device import DTYPES, resolve_device, resolve_dtype, set_threads
     from serve_app.engine.heads.eagle_head import dense_output_head
     from serve_app.engine.heads.head_file import HeadManifest, save_head, target_fingerprint
@@ -66,8 +80,9 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
     from serve_app.engine.proposers.draft_model import frequent_token_ids
     from serve_app.engine.proposers.eagle import KIND as EAGLE
     from serve_app.engine.weights import onednn_bf16_supported
+    from training.answers import GROUP, answer_shards
     from training.corpus import CorpusSpec, token_chunks
-    from training.features import extract_shards
+    from training.features import extract_shards, shard_rows
     from training.trainer import HeadTrainer, TrainSpec, head_index, train
 
     set_threads(settings.runtime.threads)
@@ -110,14 +125,26 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
                                            progress=bar.update)  # fmt: skip
         if not shards[split]:
             raise SystemExit(f"the corpus gave no {split} chunks of {args.chunk} tokens")
+    if args.answers > 0:
+        eos_ids = {*read_generation_eos(path), tokenizer.eos_token_id} - {None}
+        groups = (("train", math.ceil(args.answers / GROUP), False), ("held-out", 1, True))
+        for split, count, held_out in groups:
+            corpus = CorpusSpec(seed=args.seed, chunk_tokens=args.chunk, held_out=held_out, roots=roots)
+            folder = work / f"answers-{split}-{weight_format}-n{args.answer_tokens}"
+            with tqdm(unit="tok", desc=f"answers ({split})", file=sys.stderr) as bar:
+                found = answer_shards(model, tokenizer, corpus, eos_ids, folder, count, args.answer_tokens,
+                                      args.answer_batch, progress=bar.update)  # fmt: skip
+            shards[f"answers-{split}"] = found
+            shards[split] += found
     extract_seconds = time.perf_counter() - started
     output_head = dense_output_head(model, path)
     rows = output_head if head_ids is None else output_head.index_select(0, torch.tensor(head_ids))
     spec = TrainSpec(tuple(args.kinds), args.epochs, args.batch, args.lr, args.seed, args.intermediate,
-                     args.medusa_heads, bf16=onednn_bf16_supported())  # fmt: skip
+                     args.medusa_heads, eagle_steps=args.eagle_steps,
+                     bf16=onednn_bf16_supported())  # fmt: skip
     trainer = HeadTrainer(spec, model.cfg, model.hf_config, model.embed, rows, head_index(head_ids, vocab))
     del model  # the shards hold what training needs (the embedding and head rows stay referenced)
-    steps = spec.epochs * len(shards["train"]) * math.ceil(chunks_per["train"] / args.batch)
+    steps = spec.epochs * sum(math.ceil(shard_rows(p) / args.batch) for p in shards["train"])
     started = time.perf_counter()
     with tqdm(total=steps, unit="step", desc="training", file=sys.stderr) as bar:
 
@@ -128,14 +155,17 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
         train(trainer, shards["train"], work / "checkpoint.pt", progress)
     train_seconds = time.perf_counter() - started
     held_out = trainer.evaluate(shards["held-out"])
+    held_out_answers = trainer.evaluate(shards["answers-held-out"]) if args.answers > 0 else {}
     fingerprint = target_fingerprint(path)
     training = {
         "corpus": "standard library and site-packages sources and docs" if not roots else list(roots),
-        "seed": args.seed, "tokens": len(shards["train"]) * chunks_per["train"] * args.chunk,
+        "answers": args.answers, "answer_tokens": args.answer_tokens, "eagle_steps": args.eagle_steps,
+        "seed": args.seed, "tokens": sum(shard_rows(p) for p in shards["train"]) * args.chunk,
         "chunk_tokens": args.chunk,
         "epochs": args.epochs, "features_from": weight_format, "bf16_training": spec.bf16,
         "extract_seconds": round(extract_seconds, 1),
-        "train_seconds": round(train_seconds, 1), "held_out": held_out, "threads": torch.get_num_threads(),
+        "train_seconds": round(train_seconds, 1), "held_out": held_out,
+        "held_out_answers": held_out_answers, "threads": torch.get_num_threads(),
     }  # fmt: skip
     written = {}
     for kind, net in trainer.nets.items():

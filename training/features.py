@@ -98,6 +98,14 @@ def extract_shards(
     return paths
 
 
+def shard_rows(path: Path) -> int:
+    """Chunks in a shard, read from its header (shards of answers vary in size)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return int(f.get_slice("tokens").get_shape()[0])
+
+
 def read_shard(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -27,6 +27,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def unrolled_mask(length: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """``[T, (step + 1) T]`` bool: which keys of steps 0 .. step a row of ``step`` attends (True).
+
+    Keys are laid out step after step. Query row r of step s sees step 0's rows j <= r - s and,
+    for t = 1 .. s, step t's row r - s + t (one row per step: the drafted chain behind it).
+    """
+    row = torch.arange(length, device=device)[:, None]  # [T, 1]
+    col = torch.arange(length, device=device)[None, :]  # [1, T]
+    blocks = [col <= row - step] + [col == row - step + t for t in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
 class EagleNet(nn.Module):
     """fc over [embedding, feature], one Llama block, a final norm (``engine.heads.eagle_head``)."""
 
@@ -53,25 +65,52 @@ class EagleNet(nn.Module):
             nn.init.normal_(proj.weight, 0.0, 0.02 / math.sqrt(2))
         self.intermediate_size = intermediate_size
 
-    def forward(self, tokens: torch.Tensor, features: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, features: torch.Tensor, embed: torch.Tensor, steps: int = 1
+    ) -> list[torch.Tensor]:
         """tokens ``[B, T]``, features ``[B, T, H]`` (the feature before each token), the target's
-        embedding ``[V, H]`` -> predicted features ``[B, T, H]`` (causal over T, rows = positions)."""
+        embedding ``[V, H]`` -> predicted features ``[B, T, H]``, one per unrolled step.
+
+        Step 0 is teacher-forced: row r reads the true ``(feature_r, token_{r+1})`` and predicts
+        ``feature_{r+1}``, as the head does for the first draft after the target's verified rows.
+        Step s > 0 is the head drafting its (s + 1)-th token: row r reads step s - 1's prediction at
+        row r - 1 (its guess of ``feature_r``) and sees, besides itself, the true rows up to r - s and
+        the rows r - s + 1 .. r - 1 of steps 1 .. s - 1, exactly the cache it has when it drafts
+        (e.g. s = 2, r = 9: true rows 0..7, step 1's row 8, its own row 9). Rows r < s have no such
+        history and are excluded from the loss by the caller.
+        """
         cfg = self.cfg
-        bsz, steps = tokens.shape
-        x = self.fc(torch.cat([F.embedding(tokens, embed).to(features.dtype), features], dim=-1))
-        h = _rms(x, self.input_layernorm, cfg.rms_norm_eps)
-        q = self.q_proj(h).view(bsz, steps, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(bsz, steps, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(bsz, steps, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        cos, sin = (t.to(x.dtype)[None, None] for t in rope_tables(self.hf_config, cfg.head_dim, steps))
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        attn = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=cfg.num_heads != cfg.num_kv_heads
-        )  # [B, heads, T, D]
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(bsz, steps, -1))
-        h = _rms(x, self.post_attention_layernorm, cfg.rms_norm_eps)
-        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        return _rms(x, self.norm, cfg.rms_norm_eps)
+        bsz, length = tokens.shape
+        emb = F.embedding(tokens, embed).to(features.dtype)
+        tables = rope_tables(self.hf_config, cfg.head_dim, length)
+        cos, sin = (t.to(features.dtype)[None, None] for t in tables)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        preds: list[torch.Tensor] = []
+        feature = features
+        for step in range(steps):
+            if step:  # row r takes the previous step's guess at row r - 1 (row 0: a zero feature)
+                feature = torch.cat([torch.zeros_like(preds[-1][:, :1]), preds[-1][:, :-1]], dim=1)
+            x = self.fc(torch.cat([emb, feature], dim=-1))
+            h = _rms(x, self.input_layernorm, cfg.rms_norm_eps)
+            q = self.q_proj(h).view(bsz, length, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+            k = self.k_proj(h).view(bsz, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+            v = self.v_proj(h).view(bsz, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            keys.append(k)
+            values.append(v)
+            attn = F.scaled_dot_product_attention(
+                q,
+                torch.cat(keys, dim=2),
+                torch.cat(values, dim=2),
+                attn_mask=unrolled_mask(length, step, q.device),
+                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+            )  # [B, heads, T, D]
+            x = x + self.o_proj(attn.transpose(1, 2).reshape(bsz, length, -1))
+            h = _rms(x, self.post_attention_layernorm, cfg.rms_norm_eps)
+            x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+            preds.append(_rms(x, self.norm, cfg.rms_norm_eps))
+        return preds
 
     def _file_parameters(self) -> dict[str, torch.Tensor]:
         """The parameters under the head file's names (the runtime's)."""

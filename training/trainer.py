@@ -4,7 +4,11 @@ Both kinds learn from the same stream, so the features are read once per epoch:
 
 - EAGLE (``EagleNet``): the pair ``(feature_r, token_{r+1})`` -> ``feature_{r+1}``; loss =
   smooth L1 to the target's feature + ``cls_weight`` x cross-entropy of the target's own choice
-  read off the prediction through the target's (restricted, frozen) output head.
+  read off the prediction through the target's (restricted, frozen) output head. With
+  ``eagle_steps`` > 1 the head is also trained as it drafts: on its own predicted features fed
+  back (``EagleNet.forward``), step s weighted ``0.8^s``; trained on true features only, it
+  meets its own (imperfect) predictions first when serving, and acceptance after the first
+  drafted token collapses.
 - Medusa (``MedusaNet``): ``feature_r`` -> the target's choice ``k + 1`` positions later, for each
   head k; loss = sum over heads of ``0.8^k`` x cross-entropy.
 
@@ -27,10 +31,11 @@ import torch.nn.functional as F
 
 from serve_app.engine.proposers.eagle import KIND as EAGLE
 from serve_app.engine.proposers.medusa import KIND as MEDUSA
-from training.features import read_shard
+from training.features import read_shard, shard_rows
 from training.networks import EagleNet, MedusaNet
 
 IGNORE = -100
+STEP_DECAY = 0.8  # weight of a later step's (or Medusa head's) loss: its tokens are accepted less often
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class TrainSpec:
     eagle_intermediate: int = 0  # 0 = a quarter of the target's, in multiples of 256
     medusa_heads: int = 3
     cls_weight: float = 0.1
+    eagle_steps: int = 1  # unrolled drafting steps EAGLE trains on (1 = teacher-forced only)
     warmup_steps: int = 20
     bf16: bool = False  # products in bf16 (autocast): ~1.7x faster where the CPU has native bf16
 
@@ -116,19 +122,23 @@ class HeadTrainer:
         labels = self.label_index[choices.long()]  # [B, L]
         out = {}
         if EAGLE in self.nets:
-            pred = self.nets[EAGLE](tokens[:, 1:].long(), features[:, :-1], self.embed)  # [B, L-1, H]
-            reg = F.smooth_l1_loss(pred, features[:, 1:])
-            ce, hits, count = _ce(pred, self.head_rows, labels[:, 1:])
-            out[EAGLE] = reg + self.spec.cls_weight * ce
-            metrics.add(f"{EAGLE}.reg", reg.item())
-            metrics.add(f"{EAGLE}.ce", ce.item())
-            metrics.add(f"{EAGLE}.top1", hits / max(count, 1), count)
+            net, steps = self.nets[EAGLE], self.spec.eagle_steps
+            preds = net(tokens[:, 1:].long(), features[:, :-1], self.embed, steps)  # steps x [B, L-1, H]
+            total = features.new_zeros(())
+            for step, pred in enumerate(preds):  # pred [B, L-1, H]; rows < step have no history
+                reg = F.smooth_l1_loss(pred[:, step:], features[:, 1 + step :])
+                ce, hits, count = _ce(pred[:, step:], self.head_rows, labels[:, 1 + step :])
+                total = total + STEP_DECAY**step * (reg + self.spec.cls_weight * ce)
+                metrics.add(f"{EAGLE}.reg.{step}", reg.item())
+                metrics.add(f"{EAGLE}.top1.{step}", hits / max(count, 1), count)
+            out[EAGLE] = total
+            metrics.add(f"{EAGLE}.loss", total.item())
         if MEDUSA in self.nets:
             hidden = self.nets[MEDUSA](features)  # [B, L, K, H]
             total = hidden.new_zeros(())
             for k in range(hidden.shape[2]):
                 ce, hits, count = _ce(hidden[:, : -(k + 1), k], self.head_rows, labels[:, k + 1 :])
-                total = total + 0.8**k * ce
+                total = total + STEP_DECAY**k * ce
                 metrics.add(f"{MEDUSA}.top1.{k}", hits / max(count, 1), count)
             out[MEDUSA] = total
             metrics.add(f"{MEDUSA}.loss", total.item())
@@ -171,9 +181,10 @@ class HeadTrainer:
         return self.spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     # ----------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, path: Path, position: tuple[int, int]) -> None:
+    def save_checkpoint(self, path: Path, position: tuple[int, int], shards: Sequence[Path] = ()) -> None:
         state = {
             "spec": asdict(self.spec),
+            "shards": [str(p) for p in shards],
             "position": position,
             "step": self.step_count,
             "nets": {k: n.state_dict() for k, n in self.nets.items()},
@@ -184,12 +195,13 @@ class HeadTrainer:
         torch.save(state, tmp)
         os.replace(tmp, path)
 
-    def load_checkpoint(self, path: Path) -> tuple[int, int] | None:
-        """Resume where ``path`` left off: (epoch, next shard); None when it is absent or another spec's."""
+    def load_checkpoint(self, path: Path, shards: Sequence[Path] = ()) -> tuple[int, int] | None:
+        """Resume where ``path`` left off: (epoch, next shard); None when it is absent, or was written
+        for another spec or other shards."""
         if not path.is_file():
             return None
         state = torch.load(path, weights_only=False)
-        if state["spec"] != asdict(self.spec):
+        if state["spec"] != asdict(self.spec) or state.get("shards", []) != [str(p) for p in shards]:
             return None
         for k, net in self.nets.items():
             net.load_state_dict(state["nets"][k])
@@ -208,9 +220,8 @@ def train(
     """Epochs over ``shards`` (order shuffled per epoch by the seed); resumes from ``checkpoint``.
     ``progress(steps done, running metrics)`` after every batch. Returns the last epoch's metrics."""
     spec = trainer.spec
-    per_shard = [math.ceil(int(read_shard(p)["tokens"].shape[0]) / spec.batch_chunks) for p in shards[:1]]
-    total_steps = spec.epochs * len(shards) * (per_shard[0] if per_shard else 0)
-    start = trainer.load_checkpoint(checkpoint) or (0, 0)
+    total_steps = spec.epochs * sum(math.ceil(shard_rows(p) / spec.batch_chunks) for p in shards)
+    start = trainer.load_checkpoint(checkpoint, shards) or (0, 0)
     metrics = Metrics()
     for epoch in range(start[0], spec.epochs):
         order = list(range(len(shards)))
@@ -226,6 +237,6 @@ def train(
                 if progress:
                     progress(trainer.step_count, metrics.means())
             trainer.save_checkpoint(
-                checkpoint, (epoch, position + 1) if position + 1 < len(order) else (epoch + 1, 0)
+                checkpoint, (epoch, position + 1) if position + 1 < len(order) else (epoch + 1, 0), shards
             )
     return metrics.means()

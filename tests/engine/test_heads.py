@@ -71,13 +71,40 @@ def test_eagle_runtime_computes_what_the_trained_module_does(tiny_target, tiny_f
     net = nets["eagle"]
     tokens = torch.randint(0, tiny_target.cfg.vocab_size, (2, 9))
     features = torch.randn(2, 9, tiny_target.cfg.hidden_size)
-    expected = net(tokens, features, tiny_target.embed)
+    (expected,) = net(tokens, features, tiny_target.embed)
     head = EagleHead(tiny_target, net.state_tensors(), 128, None, dense_output_head(tiny_target, tiny_folder),
                      "dense")  # fmt: skip
     cache = head.new_cache(2, 32)
     slots = [cache.allocate(), cache.allocate()]
     got = head.forward(tokens, cache, slots, features=features)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_eagle_unrolled_training_steps_are_the_runtime_drafting_on_its_own_predictions(
+    tiny_target, tiny_folder, nets
+) -> None:
+    """Step s of ``EagleNet.forward(steps=...)`` at row r must be what the runtime computes when it
+    has the true pairs up to r - s in its cache and drafts s rows on its own predictions."""
+    net = nets["eagle"]
+    length, steps = 8, 3
+    tokens = torch.randint(0, tiny_target.cfg.vocab_size, (1, length))
+    features = torch.randn(1, length, tiny_target.cfg.hidden_size)
+    preds = net(tokens, features, tiny_target.embed, steps)
+    head = EagleHead(tiny_target, net.state_tensors(), 128, None, dense_output_head(tiny_target, tiny_folder),
+                     "dense")  # fmt: skip
+    cache = head.new_cache(1, 32)
+    slot = cache.allocate()
+    for row in range(steps - 1, length):
+        first = row - steps + 1  # the true pairs 0 .. first are in the cache; rows after it are drafted
+        cache.set_length(slot, 0)
+        out = head.forward(tokens[:, : first + 1], cache, [slot], features=features[:, : first + 1])
+        predicted = out[:, -1]
+        torch.testing.assert_close(predicted, preds[0][:, first], atol=1e-5, rtol=1e-5)
+        for step in range(1, steps):
+            cache.set_length(slot, first + step)
+            at = first + step
+            predicted = head.forward(tokens[:, at : at + 1], cache, [slot], features=predicted[:, None])[:, 0]
+            torch.testing.assert_close(predicted, preds[step][:, at], atol=1e-5, rtol=1e-5)
 
 
 def test_medusa_runtime_computes_what_the_trained_module_does(tiny_target, tiny_folder, nets) -> None:

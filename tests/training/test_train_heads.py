@@ -53,7 +53,9 @@ def test_training_learns_and_resumes_and_the_heads_serve_exactly(corpus, tiny_to
     assert [p.stat().st_mtime_ns for p in shards] == mtimes  # kept, not recomputed
 
     def trainer(epochs: int) -> HeadTrainer:
-        spec = TrainSpec(epochs=epochs, batch_chunks=2, lr=3e-3, eagle_intermediate=128, warmup_steps=2)
+        spec = TrainSpec(
+            epochs=epochs, batch_chunks=2, lr=3e-3, eagle_intermediate=128, warmup_steps=2, eagle_steps=2
+        )
         rows = dense_output_head(model, folder)
         index = head_index(None, rows.shape[0])
         return HeadTrainer(spec, model.cfg, model.hf_config, model.embed, rows, index)
@@ -61,10 +63,12 @@ def test_training_learns_and_resumes_and_the_heads_serve_exactly(corpus, tiny_to
     fresh = trainer(6)
     before = fresh.evaluate(shards)
     after = train(fresh, shards, work / "checkpoint.pt")
-    assert after["eagle.top1"] > before["eagle.top1"] + 0.1
+    assert after["eagle.top1.0"] > before["eagle.top1.0"] + 0.1
+    assert after["eagle.top1.1"] > before["eagle.top1.1"] + 0.1  # drafting on its own predictions too
     assert after["medusa.loss"] < before["medusa.loss"] - 1.0
     resumed = trainer(6)
-    assert resumed.load_checkpoint(work / "checkpoint.pt") == (6, 0)  # a finished run resumes at its end
+    assert resumed.load_checkpoint(work / "checkpoint.pt", shards) == (6, 0)  # resumes at its end
+    assert resumed.load_checkpoint(work / "checkpoint.pt", shards[:1]) is None  # other shards: start over
     torch.testing.assert_close(resumed.nets["eagle"].state_tensors()["fc.weight"],
                                fresh.nets["eagle"].state_tensors()["fc.weight"])  # fmt: skip
 
