@@ -7,7 +7,8 @@
   in the registry: the draft model), ``k`` tokens per step, for each k of ``--depths`` (any k >= 1
   when named).
 - ``specserve-<proposer>``: a proposer without a model that is not layer-skipping (a lookup: the
-  n-gram), at the settings' depth.
+  n-gram; a trained head: EAGLE, Medusa), at the settings' depth; ``specserve-<proposer>-d<k>``
+  when named: at depth k.
 - ``specserve-<proposer>``, ``specserve-<proposer>-default``: a layer-skipping proposer
   (self-speculation) with the skip set a replica resolves and with the default one, each at its
   calibrated depth (``loadtest.bench.self_spec``); ``specserve-<proposer>-d<k>`` when named: the
@@ -121,7 +122,7 @@ def parse_method(name: str) -> MethodName | None:
         suffix = rest.removeprefix(proposer + "-")
         if suffix == rest:
             continue
-        if (match := _DEPTH.fullmatch(suffix)) and family is not Family.LOOKUP:
+        if match := _DEPTH.fullmatch(suffix):
             return MethodName(name, family, proposer, int(match.group(1)))
         if suffix == DEFAULT_PLAN and family is Family.LAYERS:
             return MethodName(name, family, proposer, default_plan=True)
@@ -169,8 +170,7 @@ def select_methods(
     if requested:
         unknown = [m for m in requested if parse_method(m) is None]
         if unknown:
-            deep = [*model_proposers(), *layer_skipping_proposers()]
-            any_depth = ", ".join(f"{PREFIX}{p}-d<k>" for p in deep)
+            any_depth = ", ".join(f"{PREFIX}{p}-d<k>" for p in registered_proposers())
             raise ValueError(f"unknown methods {', '.join(unknown)}; known: {', '.join(chosen)} "
                              f"(and {any_depth} for any depth k >= 1)")  # fmt: skip
         chosen = in_report_order(requested)

@@ -33,8 +33,10 @@ def specserve_method(engine: Any, n: int, name: str, mode: str = OFF, depth: int
         done = engine.generate([ids], params, [speculation])[0]
         seconds = time.perf_counter() - start
         ttft, stats = done.time_to_first_token, done.spec_stats
-        counts = (stats.drafted, stats.accepted, stats.spec_steps) if mode != OFF and stats else (None,) * 3
-        return Run(done.token_ids, seconds, None if ttft is None else done.duration - ttft, *counts)
+        spec = mode != OFF and stats is not None
+        counts = (stats.drafted, stats.accepted, stats.spec_steps) if spec else (None,) * 3
+        at = (tuple(stats.drafted_per_position), tuple(stats.accepted_per_position)) if spec else ((), ())
+        return Run(done.token_ids, seconds, None if ttft is None else done.duration - ttft, *counts, *at)
 
     return Method(name, run, description=description)
 

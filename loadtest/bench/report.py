@@ -28,6 +28,8 @@ SPEEDUP_REFERENCES = (PLAIN, ASSISTED, "transformers-plain")  # ratios in the JS
 MARKDOWN_REFERENCES = (PLAIN, ASSISTED)  # ratios in the Markdown table
 HEADLINE_TARGETS = {PLAIN: 2.0, ASSISTED: 1.3}  # model-drafted speculation on code+json, from the issue
 SPEC_KEYS = ("drafted", "accepted", "spec_steps")
+POSITION_KEYS = ("drafted_at", "accepted_at")  # per draft position, summed element by element
+SHOWN_POSITIONS = 4  # positions in the Markdown table
 
 
 def tok_per_s(runs: list[Run], n: int) -> float:
@@ -48,19 +50,41 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def spec_totals(runs: list[Run]) -> dict[str, int] | None:
-    """drafted / accepted / spec_steps summed over the runs that carry them; None when none do."""
+def _sum_lists(lists: list[Any]) -> list[int]:
+    """Element-by-element sum of count lists of any lengths."""
+    out: list[int] = []
+    for counts in lists:
+        out += [0] * (len(counts) - len(out))
+        for j, c in enumerate(counts):
+            out[j] += int(c)
+    return out
+
+
+def add_totals(totals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Totals of several runs or prompts added up (counts, and per-position counts by position)."""
+    return {**{k: sum(t[k] for t in totals) for k in SPEC_KEYS},
+            **{k: _sum_lists([t.get(k, []) for t in totals]) for k in POSITION_KEYS}}  # fmt: skip
+
+
+def spec_totals(runs: list[Run]) -> dict[str, Any] | None:
+    """drafted / accepted / spec_steps (and per draft position) summed over the runs that carry
+    them; None when none do."""
     runs = [r for r in runs if r.drafted is not None]
     if not runs:
         return None
-    return {k: sum(getattr(r, k) or 0 for r in runs) for k in SPEC_KEYS}
+    return add_totals([{k: getattr(r, k) or 0 for k in SPEC_KEYS} | {k: getattr(r, k) for k in POSITION_KEYS}
+                       for r in runs])  # fmt: skip
 
 
-def spec_rates(totals: dict[str, int]) -> dict[str, float]:
-    """The totals plus acceptance rate and mean accepted length (tokens per speculative step)."""
+def spec_rates(totals: dict[str, Any]) -> dict[str, Any]:
+    """The totals plus acceptance rate, mean accepted length (tokens per speculative step) and the
+    acceptance at each draft position (of the drafts verified there: conditional on reaching it)."""
     drafted, accepted, steps = (totals[k] for k in SPEC_KEYS)
+    at = [a / d if d else None for d, a in zip(totals.get("drafted_at", []), totals.get("accepted_at", []),
+                                               strict=True)]  # fmt: skip
     return {**totals, "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted_length": (accepted + steps) / steps if steps else 0.0}  # fmt: skip
+            "mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
+            "acceptance_at": at}  # fmt: skip
 
 
 def reference(methods: list[str]) -> str:
@@ -76,7 +100,7 @@ def _group(name: str, rows: list[dict], methods: list[str], refs: list[str]) -> 
     """Aggregate prompt rows: median tok/s, ratios of the medians, pooled acceptance, identity count."""
     rate = {m: statistics.median(r["tok_s"][m] for r in rows) for m in methods}
     speculative = [m for m in methods if any(m in r["spec_totals"] for r in rows)]
-    totals = {m: {k: sum(r["spec_totals"][m][k] for r in rows if m in r["spec_totals"]) for k in SPEC_KEYS}
+    totals = {m: add_totals([r["spec_totals"][m] for r in rows if m in r["spec_totals"]])
               for m in speculative}  # fmt: skip
     others = [m for m in methods if m != reference(methods)]
     return {"group": name, "prompts": len(rows), "tok_s": rate, "speedup": _speedups(rate, refs),
@@ -189,6 +213,18 @@ def to_markdown(result: BenchResult) -> str:
                   "speculative steps) / speculative steps: tokens per verifying forward), pooled over the "
                   "timed repeats and, in kind rows, over the kind's prompts.", "",
                   *_table(["prompt", "kind", *speculative], rows), ""]  # fmt: skip
+
+        def by_position(stats: dict) -> list[str]:
+            return ["-" if m not in stats or not stats[m]["spec_steps"] else " / ".join(
+                "-" if r is None else f"{r:.0%}" for r in stats[m]["acceptance_at"][:SHOWN_POSITIONS])
+                for m in speculative]  # fmt: skip
+
+        rows = [[_label(g), *by_position(g["spec"])] for g in s["groups"]]
+        lines += ["### Acceptance by draft position", "",
+                  f"Each cell: of the drafts verified at position 1, 2, ... {SHOWN_POSITIONS}, the share the "
+                  "target kept (conditional: a position is verified only after the ones before it were "
+                  "kept), pooled over the kind's prompts and the timed repeats.", "",
+                  *_table(["kind", *speculative], rows), ""]  # fmt: skip
     if others:
         rows = [[r["prompt"], r["kind"], *("identical" if r["divergence"][m] is None
                                           else f"differs at {r['divergence'][m]}" for m in others)]

@@ -21,6 +21,8 @@ class Run:
     drafted: int | None = None  # speculation (our speculative methods only): draft tokens verified
     accepted: int | None = None  # draft tokens the target kept
     spec_steps: int | None = None  # decode steps that verified a non-empty draft
+    drafted_at: tuple[int, ...] = ()  # [j]: drafts verified at draft position j + 1
+    accepted_at: tuple[int, ...] = ()  # [j]: of those, the ones the target kept
 
 
 @dataclass(frozen=True)

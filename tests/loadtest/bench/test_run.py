@@ -118,11 +118,17 @@ def test_first_divergence() -> None:
 def test_spec_totals_are_pooled_over_repeats() -> None:
     assert report.spec_totals(_runs([1.0])) is None
     totals = report.spec_totals(_runs([1.0, 1.0], spec=(8, 6, 4)))
-    assert totals == {"drafted": 16, "accepted": 12, "spec_steps": 8}
+    assert totals == {"drafted": 16, "accepted": 12, "spec_steps": 8, "drafted_at": [], "accepted_at": []}
     rates = report.spec_rates(totals)
     assert rates["acceptance_rate"] == pytest.approx(0.75)
     assert rates["mean_accepted_length"] == pytest.approx(2.5)  # (12 + 8) / 8
     assert report.spec_rates({"drafted": 0, "accepted": 0, "spec_steps": 0})["mean_accepted_length"] == 0.0
+    # Per draft position: runs of different depths add up position by position.
+    runs = [Run(TOKENS, 1.0, None, 6, 4, 4, (4, 2), (3, 1)),
+            Run(TOKENS, 1.0, None, 5, 3, 3, (3, 1, 1), (2, 1, 0))]  # fmt: skip
+    by_position = report.spec_totals(runs)
+    assert by_position["drafted_at"] == [7, 3, 1] and by_position["accepted_at"] == [5, 2, 0]
+    assert report.spec_rates(by_position)["acceptance_at"] == pytest.approx([5 / 7, 2 / 3, 0.0])
 
 
 # ------------------------------------------------------------------------------------ summary
@@ -371,7 +377,8 @@ def test_method_names_are_parsed_from_the_registry() -> None:
     assert parse_method("specserve-self") == MethodName("specserve-self", Family.LAYERS, "self")
     assert parse_method("specserve-self-default").default_plan
     assert parse_method("specserve-self-d3") == MethodName("specserve-self-d3", Family.LAYERS, "self", 3)
-    for wrong in ("specserve-draft", "specserve-ngram-d2", "specserve-draft-default", "specserve-nope"):
+    assert parse_method("specserve-ngram-d2") == MethodName("specserve-ngram-d2", Family.LOOKUP, "ngram", 2)
+    for wrong in ("specserve-draft", "specserve-ngram-default", "specserve-draft-default", "specserve-nope"):
         assert parse_method(wrong) is None
     # A layer-skipping proposer at a depth of its own, when named, goes beside its other methods.
     asked = ["specserve-self-default", "transformers-lookup", "specserve-self-d3", OURS]
