@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eagle-steps", type=int, default=3, help="drafting steps EAGLE trains on (on its own predictions)"
     )
+    parser.add_argument(
+        "--eagle-ce-weight",
+        type=float,
+        default=0.1,
+        help="EAGLE: weight of the token loss beside the feature's",
+    )
 
 
 def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
@@ -140,7 +146,7 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
     output_head = dense_output_head(model, path)
     rows = output_head if head_ids is None else output_head.index_select(0, torch.tensor(head_ids))
     spec = TrainSpec(tuple(args.kinds), args.epochs, args.batch, args.lr, args.seed, args.intermediate,
-                     args.medusa_heads, eagle_steps=args.eagle_steps,
+                     args.medusa_heads, cls_weight=args.eagle_ce_weight, eagle_steps=args.eagle_steps,
                      bf16=onednn_bf16_supported())  # fmt: skip
     trainer = HeadTrainer(spec, model.cfg, model.hf_config, model.embed, rows, head_index(head_ids, vocab))
     del model  # the shards hold what training needs (the embedding and head rows stay referenced)

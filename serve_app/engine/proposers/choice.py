@@ -69,11 +69,16 @@ def take_choices(
     tokens: list[list[int]],
     probs: list[list[torch.Tensor]],
     min_confidence: float,
+    keep_unsure: bool = True,
 ) -> list[int]:
     """Append each active row's choice (and its q) to its draft; the rows that draft on: not yet
-    at their depth, and not unsure (top probability at least ``min_confidence``)."""
+    at their depth, and not unsure (top probability at least ``min_confidence``). An unsure choice
+    ends the draft after itself, or, with ``keep_unsure`` False, before: a proposer that is often
+    wrong when unsure (a trained head) spares the target verifying it."""
     still = []
     for i, choice in zip(active, chosen, strict=True):
+        if not keep_unsure and choice.confidence < min_confidence:
+            continue
         tokens[i].append(choice.token)
         if choice.q is not None:
             probs[i].append(choice.q)

@@ -94,7 +94,9 @@ class EagleProposer:
                     self.min_confidence > 0,
                     [len(tokens[i]) for i in active],
                 )
-                active = take_choices(active, chosen, rows, tokens, probs, self.min_confidence)
+                active = take_choices(
+                    active, chosen, rows, tokens, probs, self.min_confidence, keep_unsure=False
+                )
                 if not active:
                     break
                 for i in active:  # the pair (prediction, d_j) goes to row n + j - 1

@@ -70,7 +70,7 @@ class MedusaProposer:
             chosen = choose_tokens(
                 [rows[i] for i in active], logits[active, k], self.min_confidence > 0, [k] * len(active)
             )
-            active = take_choices(active, chosen, rows, tokens, probs, self.min_confidence)
+            active = take_choices(active, chosen, rows, tokens, probs, self.min_confidence, keep_unsure=False)
         return [
             Draft(tokens=t, probs=torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)
         ]
