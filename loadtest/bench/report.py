@@ -80,8 +80,9 @@ def spec_rates(totals: dict[str, Any]) -> dict[str, Any]:
     """The totals plus acceptance rate, mean accepted length (tokens per speculative step) and the
     acceptance at each draft position (of the drafts verified there: conditional on reaching it)."""
     drafted, accepted, steps = (totals[k] for k in SPEC_KEYS)
-    at = [a / d if d else None for d, a in zip(totals.get("drafted_at", []), totals.get("accepted_at", []),
-                                               strict=True)]  # fmt: skip
+    drafted_at, accepted_at = totals.get("drafted_at", []), totals.get("accepted_at", [])
+    accepted_at = [*accepted_at, *[0] * (len(drafted_at) - len(accepted_at))]  # none kept that deep
+    at = [a / d if d else None for d, a in zip(drafted_at, accepted_at, strict=True)]
     return {**totals, "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
             "acceptance_at": at}  # fmt: skip

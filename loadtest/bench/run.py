@@ -26,6 +26,7 @@ import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +95,14 @@ def time_methods(methods: Sequence[Method], prompts: Sequence[Prompt], encoded: 
 
 def write_report(result: BenchResult, out: str) -> None:
     """Print the Markdown report; write it and the JSON record into ``out``."""
-    markdown = to_markdown(result)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(result.model).name)
     stem = f"bench-{name}-{result.dtype}-{time.strftime('%Y%m%d-%H%M%S')}"
-    (folder / f"{stem}.json").write_text(json.dumps(to_json(result), indent=1))
+    record = folder / f"{stem}.json"
+    record.write_text(json.dumps(asdict(result), indent=1))  # the runs first: a report that fails keeps them
+    markdown = to_markdown(result)
+    record.write_text(json.dumps(to_json(result), indent=1))
     (folder / f"{stem}.md").write_text(markdown)
     print(markdown)
     print(f"wrote {folder / stem}.json and .md", file=sys.stderr)
