@@ -71,15 +71,28 @@ def questions(spec: CorpusSpec) -> Iterator[str]:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.name.startswith("_"):
+        for node, method in _functions(tree):
+            if node.name.startswith("_"):
                 continue
             summary = _summary(ast.get_docstring(node) or "")
             if summary is None:
                 continue
-            args = [a.arg for a in node.args.args if a.arg not in ("self", "cls")]
+            args = [a.arg for a in node.args.args][1 if method else 0 :]  # a receiver is no parameter
             sig = f"{node.name}({', '.join(args)})"
             yield rng.choice(TEMPLATES).format(sig=sig, name=node.name, module=path.stem, summary=summary)
+
+
+def _functions(tree: ast.Module) -> Iterator[tuple[ast.FunctionDef | ast.AsyncFunctionDef, bool]]:
+    """Module-level functions and the methods of module-level classes (True: takes a receiver, i.e.
+    not a staticmethod), in source order."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node, False
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    names = [d.id for d in item.decorator_list if isinstance(d, ast.Name)]
+                    yield item, "staticmethod" not in names
 
 
 def chat_prompt(tokenizer: object, question: str) -> list[int]:
