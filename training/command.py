@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eagle-ce-weight",
         type=float,
-        default=0.1,
+        default=1.0,
         help="EAGLE: weight of the token loss beside the feature's",
     )
 
