@@ -118,11 +118,9 @@ def run_train_heads(args: argparse.Namespace, settings: Settings) -> int:
         f"work folder {work}")  # fmt: skip
     started = time.perf_counter()
     shards: dict[str, list[Path]] = {}
-    chunks_per: dict[str, int] = {}
     for split, tokens, held_out in (("train", args.tokens, False), ("held-out", args.held_out_tokens, True)):
         per = min(args.chunks_per_shard, math.ceil(tokens / args.chunk))  # chunks per shard
         count = max(1, math.ceil(tokens / (per * args.chunk)))
-        chunks_per[split] = per
         corpus = CorpusSpec(seed=args.seed, chunk_tokens=args.chunk, held_out=held_out, roots=roots)
         with tqdm(
             total=count * per * args.chunk, unit="tok", desc=f"features ({split})", file=sys.stderr
