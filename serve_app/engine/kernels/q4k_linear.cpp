@@ -4,7 +4,8 @@
 // Paths, chosen at run time (``isa.cpp``), all forming the same integer sums and float steps:
 // - amx: AMX-INT8 tiles for products of at least kAmxMinRows rows (``q4k_amx.h``), else avx512;
 // - avx512: VNNI dot products, 16 outputs per register (``q4k_avx512.h``);
-// - avx2: the same with _mm256_maddubs_epi16 + _mm256_madd_epi16, 8 outputs per register (below);
+// - avx2: _mm256_maddubs_epi16 summed in int16, one _mm256_madd_epi16 by the block's scales
+//   (``q4k_avx2.h``);
 // - scalar: plain loops (below), the reference the tests hold the others to.
 // Threads split the output groups, never a dot product.
 
@@ -19,6 +20,7 @@
 
 #include "common.h"
 #include "q4k_amx.h"
+#include "q4k_avx2.h"
 #include "q4k_avx512.h"
 #include "q4k_tiles.h"
 #include "superblock_rows.h"
@@ -63,82 +65,6 @@ void group_scalar(const uint8_t* tiles, const Rows& x, int64_t rows, const Out& 
     }
   }
 }
-
-#if SPECSERVE_AVX2
-inline __m256i broadcast4_avx2(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// Rows r0 .. r0 + G - 1 against outputs 8 h .. 8 h + 7 of a group: the 32-byte halves of each
-// vector (u8 nibbles times s8 activations: maddubs pair sums stay below 2 * 15 * 127).
-template <int G>
-void half_rows_avx2(const uint8_t* tiles, const Rows& x, int64_t r0, int h, const Out& out) {
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[G], mins[G];
-  for (int r = 0; r < G; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < x.supers; ++s) {
-    const Tile w(tiles + s * kTileBytes);
-    __m256i s1[G];
-    for (int r = 0; r < G; ++r) s1[r] = _mm256_setzero_si256();
-    for (int64_t b = 0; b < kBlocks; ++b) {
-      __m256i lo[4], hi[4];
-      for (int v = 0; v < 4; ++v) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (4 * b + v) * 64 + 32 * h));
-        lo[v] = _mm256_and_si256(bytes, low);
-        hi[v] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      }
-      const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + kOutputs * b + 8 * h)));
-      for (int r = 0; r < G; ++r) {
-        const int8_t* xb = x.q + (r0 + r) * x.k + s * kSuper + b * kBlock;
-        __m256i block = _mm256_setzero_si256();
-        for (int v = 0; v < 4; ++v) {
-          block = _mm256_add_epi32(block, _mm256_madd_epi16(_mm256_maddubs_epi16(lo[v], broadcast4_avx2(xb + 4 * v)), ones));
-          block = _mm256_add_epi32(block, _mm256_madd_epi16(_mm256_maddubs_epi16(hi[v], broadcast4_avx2(xb + 16 + 4 * v)), ones));
-        }
-        s1[r] = _mm256_add_epi32(s1[r], _mm256_mullo_epi32(block, sc));
-      }
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + 8 * h)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dmin + 8 * h)));
-    __m256i mn16[4];
-    for (int j = 0; j < 4; ++j)
-      mn16[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + 32 * j + 16 * h)));
-    for (int r = 0; r < G; ++r) {
-      const int64_t row = r0 + r;
-      const int16_t* bsum = x.bsum + row * (x.k / kBlock) + s * kBlocks;
-      __m256i s2 = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        int32_t pair;
-        std::memcpy(&pair, bsum + 2 * j, 4);
-        s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(mn16[j], _mm256_set1_epi32(pair)));
-      }
-      const __m256 scale = _mm256_set1_ps(x.scale[row * x.supers + s]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), _mm256_mul_ps(d, scale), acc[r]);
-      mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2), _mm256_mul_ps(dmin, scale), mins[r]);
-    }
-  }
-  for (int r = 0; r < G; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, _mm256_sub_ps(acc[r], mins[r]));
-    for (int o = 8 * h; o < std::min(out.count, 8 * h + 8); ++o) out.out[(r0 + r) * out.stride + o] = lanes[o - 8 * h];
-  }
-}
-
-void group_avx2(const uint8_t* tiles, const Rows& x, int64_t rows, const Out& out) {
-  for (int h = 0; h < 2 && 8 * h < out.count; ++h) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) half_rows_avx2<4>(tiles, x, r, h, out);
-    switch (rows - r) {
-      case 3: half_rows_avx2<3>(tiles, x, r, h, out); break;
-      case 2: half_rows_avx2<2>(tiles, x, r, h, out); break;
-      case 1: half_rows_avx2<1>(tiles, x, r, h, out); break;
-      default: break;
-    }
-  }
-}
-#endif
 
 }  // namespace
 

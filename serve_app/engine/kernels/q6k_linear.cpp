@@ -5,7 +5,8 @@
 // Paths, chosen at run time (``isa.cpp``), all forming the same integer sums and float steps:
 // - avx512 (on AMX hosts too: no AMX form yet): VNNI dot products, 16 outputs per register
 //   (``q6k_avx512.h``);
-// - avx2: _mm256_maddubs_epi16 + _mm256_madd_epi16, 8 outputs per register (below);
+// - avx2: _mm256_maddubs_epi16 pairs summed in int16, _mm256_madd_epi16 by the scales, 8 outputs
+//   per register (below);
 // - scalar: plain loops (below), the reference the tests hold the others to.
 // Threads split the output groups, never a dot product.
 
@@ -92,11 +93,13 @@ inline void load_half(const Tile& t, int64_t b, int H, __m256i w[8]) {
   }
 }
 
-// Rows r0 .. r0 + G - 1 against outputs 8 H .. 8 H + 7 of a group (u8 q <= 63 times s8 activations:
-// maddubs pair sums stay below 2 * 63 * 127).
+// Rows r0 .. r0 + G - 1 against outputs 8 H .. 8 H + 7 of a group. u8 q <= 63 times s8 activations:
+// a maddubs pair sum is at most 2 * 63 * 127 = 16002 in magnitude, so two of them add in int16
+// without saturating; one _mm256_madd_epi16 against the sub-block's scale, repeated in both 16-bit
+// halves of an output's lane, then adds the pairs and multiplies by the scale at once (a madd by
+// ones per maddubs and a mullo per sub-block took 8 more vector operations per block and row).
 template <int G>
 void half_rows_avx2(const uint8_t* tiles, const Rows& x, int64_t r0, int H, const Out& out) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[G];
   for (int r = 0; r < G; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t s = 0; s < x.supers; ++s) {
@@ -104,19 +107,22 @@ void half_rows_avx2(const uint8_t* tiles, const Rows& x, int64_t r0, int H, cons
     __m256i s1[G], s2[G];
     for (int r = 0; r < G; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
     for (int64_t b = 0; b < kBlocks; ++b) {
+      // lane o: (sc[2 b], sc[2 b + 1]) as int16; even / odd: one of them in both halves
       const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.sc + 32 * b + 16 * H)));
-      const __m256i even = _mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16), odd = _mm256_srai_epi32(pairs, 16);
+      const __m256i even = _mm256_blend_epi16(pairs, _mm256_slli_epi32(pairs, 16), 0xAA);
+      const __m256i odd = _mm256_blend_epi16(_mm256_srli_epi32(pairs, 16), pairs, 0xAA);
       __m256i w[8];
       load_half(t, b, H, w);
       for (int r = 0; r < G; ++r) {
         const int64_t row = r0 + r;
         const int8_t* xb = x.q + row * x.k + s * kSuper + b * kBlock;
-        __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
-        for (int v = 0; v < 4; ++v) {
-          p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_maddubs_epi16(w[v], broadcast4_avx2(xb + 4 * v)), ones));
-          p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(_mm256_maddubs_epi16(w[4 + v], broadcast4_avx2(xb + 16 + 4 * v)), ones));
-        }
-        s1[r] = _mm256_add_epi32(s1[r], _mm256_add_epi32(_mm256_mullo_epi32(p0, even), _mm256_mullo_epi32(p1, odd)));
+        const auto pair_sum = [&](int i, int offset) {  // w[i], w[i + 1] against their activations, int16
+          return _mm256_add_epi16(_mm256_maddubs_epi16(w[i], broadcast4_avx2(xb + offset)),
+                                  _mm256_maddubs_epi16(w[i + 1], broadcast4_avx2(xb + offset + 4)));
+        };
+        const __m256i e = _mm256_add_epi32(_mm256_madd_epi16(pair_sum(0, 0), even), _mm256_madd_epi16(pair_sum(2, 8), even));
+        const __m256i o = _mm256_add_epi32(_mm256_madd_epi16(pair_sum(4, 16), odd), _mm256_madd_epi16(pair_sum(6, 24), odd));
+        s1[r] = _mm256_add_epi32(s1[r], _mm256_add_epi32(e, o));
         const int16_t* bsum = x.bsum + (row * x.supers + s) * kSubs + 2 * b;
         s2[r] = _mm256_add_epi32(s2[r], _mm256_madd_epi16(pairs, broadcast4_avx2(bsum)));
       }
