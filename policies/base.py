@@ -84,10 +84,17 @@ class StepView:
 
 @dataclass(frozen=True)
 class Decision:
-    """Speculate with ``proposer`` up to ``depth`` tokens for one request; depth 0 = plain."""
+    """Speculate with ``proposer`` up to ``depth`` tokens for one request; depth 0 = plain.
+    ``nodes``: alternatives the draft may add beside its chain, making it a token tree (0 = a
+    chain; only a proposer that branches uses them, only for greedy and coupled rows): a policy
+    leaves it 0, and the engine's planner grants the request's or the replica's budget.
+    ``min_score``: the proposer's probability an alternative must reach to join the tree (the
+    planner sets it from the cost model, ``policies.trees``)."""
 
     proposer: str | None
     depth: int
+    nodes: int = 0
+    min_score: float = 0.0
 
     @classmethod
     def plain(cls) -> Decision:

@@ -113,6 +113,7 @@ def engine_config(
         spec_method=method,
         spec_depth=spec.depth,
         max_depth=spec.max_depth,
+        tree_nodes=spec.tree_nodes,
         proposer_options=options,
         policy=spec.policy,
         policy_params=dict(spec.policy_params),

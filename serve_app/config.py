@@ -31,6 +31,8 @@ from serve_app.service_settings import (
 OFF = "off"  # speculation.method for plain decoding
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+# speculation.tree_nodes: measured in BENCHMARKS.md (twenty-fifth session)
+TREE_NODES = 4
 
 
 def default_cache_dir() -> Path:
@@ -128,6 +130,12 @@ class SpeculationSettings(_Section):
     )
     depth: int = Field(6, ge=1, le=32, description="Draft tokens proposed per step.")
     max_depth: int = Field(16, ge=1, le=32, description="The deepest speculation a request may ask for.")
+    tree_nodes: int = Field(
+        TREE_NODES, ge=0, le=32,
+        description="Alternatives a draft may add beside its chain as a token tree, verified in the same "
+        "forward, where the policy finds a tree pays (0: chains only). Greedy and coupled-sampling requests "
+        "with a proposer that branches (draft model, n-gram), where attention keeps trees exact (float32).",
+    )  # fmt: skip
 
     @field_validator("method")
     @classmethod

@@ -9,6 +9,10 @@
 - ``specserve-<proposer>``: a proposer without a model that is not layer-skipping (a lookup: the
   n-gram; a trained head: EAGLE, Medusa), at the settings' depth; ``specserve-<proposer>-d<k>``
   when named: at depth k.
+- ``specserve-auto-t<n>``: "auto" with every request's tree budget n (``-t0``: chains only).
+- ``...-t<n>`` after a proposer's method (``specserve-draft-d4-t4``, ``specserve-ngram-t4``): the
+  same with token trees of up to ``n`` alternatives beside the chain (``engine.tree``), for a
+  proposer that branches; only when named.
 - ``specserve-<proposer>``, ``specserve-<proposer>-default``: a layer-skipping proposer
   (self-speculation) with the skip set a replica resolves and with the default one, each at its
   calibrated depth (``loadtest.bench.self_spec``); ``specserve-<proposer>-d<k>`` when named: the
@@ -27,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from serve_app.engine.proposers.registry import proposer_specs, registered_proposers
+from serve_app.engine.proposers.registry import proposer_spec, proposer_specs, registered_proposers
 from serve_app.engine.weights import WEIGHT_FORMATS
 
 PREFIX = "specserve-"
@@ -39,6 +43,7 @@ ASSISTED = "transformers-assisted"
 TRANSFORMERS = ("transformers-plain", ASSISTED, "transformers-lookup")
 LLAMA_CPP = "llama.cpp-plain"  # the peer on the pack's own GGUF (loadtest.bench.llama_cpp)
 _DEPTH = re.compile(r"d([1-9][0-9]*)")
+_TREE = re.compile(r"(.*?)-?t(0|[1-9][0-9]*)")  # a trailing ``-t<n>``: a tree budget
 
 
 class Family(Enum):
@@ -63,6 +68,7 @@ class MethodName:
     depth: int | None = None  # the k of ``-d<k>``
     default_plan: bool = False  # ``-default``: a layer-skipping proposer's default skip set
     weight_format: str | None = None  # ``+<format>``: the target's weights in that format
+    tree_nodes: int | None = None  # the n of ``-t<n>``: token trees of up to n alternatives
 
 
 # ------------------------------------------------------------------------------------ the registry
@@ -106,6 +112,8 @@ def parse_method(name: str) -> MethodName | None:
         return MethodName(name, Family.PLAIN)
     if name == AUTO:
         return MethodName(name, Family.AUTO)
+    if name.startswith(AUTO + "-") and (tree := _TREE.fullmatch(name.removeprefix(AUTO + "-"))):
+        return MethodName(name, Family.AUTO, tree_nodes=int(tree.group(2))) if not tree.group(1) else None
     if name in TRANSFORMERS:
         return MethodName(name, Family.TRANSFORMERS)
     if name == LLAMA_CPP:
@@ -122,11 +130,27 @@ def parse_method(name: str) -> MethodName | None:
         suffix = rest.removeprefix(proposer + "-")
         if suffix == rest:
             continue
+        nodes = None
+        if (tree := _TREE.fullmatch(suffix)) and family is not Family.LAYERS and _branches(proposer):
+            suffix, nodes = tree.group(1), int(tree.group(2))
+            if not suffix and family is Family.LOOKUP:
+                return MethodName(name, family, proposer, tree_nodes=nodes)
         if match := _DEPTH.fullmatch(suffix):
-            return MethodName(name, family, proposer, int(match.group(1)))
+            return MethodName(name, family, proposer, int(match.group(1)), tree_nodes=nodes)
         if suffix == DEFAULT_PLAN and family is Family.LAYERS:
             return MethodName(name, family, proposer, default_plan=True)
     return None
+
+
+def _branches(proposer: str) -> bool:
+    """Whether the proposer's class drafts token trees (``proposers.base.branches``)."""
+    import importlib
+
+    from serve_app.engine.proposers.base import branches
+
+    module = importlib.import_module(proposer_spec(proposer).module)
+    classes = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
+    return any(branches(c) for c in classes)
 
 
 def draft_depth(method: str) -> int | None:
@@ -135,12 +159,13 @@ def draft_depth(method: str) -> int | None:
     return parsed.depth if parsed else None
 
 
-def _order(method: MethodName) -> tuple[int, int, bool, int, int, int]:
+def _order(method: MethodName) -> tuple[int, int, bool, int, int, int, int]:
     registry = list(registered_proposers())
     rank = registry.index(method.proposer) if method.proposer else 0
     theirs = TRANSFORMERS.index(method.name) if method.family is Family.TRANSFORMERS else 0
     weights = WEIGHT_FORMATS.index(method.weight_format) + 1 if method.weight_format else 0
-    return method.family.value, rank, method.default_plan, method.depth or 0, theirs, weights
+    depth, nodes = method.depth or 0, method.tree_nodes or 0
+    return method.family.value, rank, method.default_plan, depth, nodes, theirs, weights
 
 
 def in_report_order(names: Iterable[str]) -> list[str]:

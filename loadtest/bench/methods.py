@@ -21,12 +21,12 @@ from serve_app.engine.proposers.registry import proposer_spec
 
 
 def specserve_method(engine: Any, n: int, name: str, mode: str = OFF, depth: int | None = None,
-                     description: str = "") -> Method:  # fmt: skip
+                     description: str = "", tree_nodes: int | None = None) -> Method:  # fmt: skip
     """Our engine, one request at a time, with this speculation override (mode ``OFF`` = plain)."""
     from serve_app.engine.params import SamplingParams, SpecOverride
 
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    speculation = SpecOverride(mode, max_depth=depth)
+    speculation = SpecOverride(mode, max_depth=depth, tree_nodes=tree_nodes)
 
     def run(ids: list[int]) -> Run:
         start = time.perf_counter()
@@ -77,7 +77,7 @@ def our_methods(
         engine = engine_for(method.weight_format)
         weights = f" ({method.weight_format} weights)" if method.weight_format else ""
         if method.family is Family.AUTO:
-            methods.append(auto_method(engine, settings, n, name))
+            methods.append(auto_method(engine, settings, n, name, method.tree_nodes))
         elif name.partition("+")[0] == NONINVARIANT:
             note = "our engine, plain decoding, batch invariance off (runtime.batch_invariant false)"
             plain = specserve_method(engine, n, name, OFF, description=note)
@@ -92,17 +92,24 @@ def our_methods(
             methods.append(specserve_method(own, n, name, method.proposer, depth, note))
         else:  # a model-based proposer at the method's depth, a lookup at the settings'
             depth = method.depth or spec.depth
-            note = f"our engine{weights}, {proposer_note(settings, method.proposer)}, depth {depth}"
-            methods.append(specserve_method(engine, n, name, method.proposer, depth, note))
+            nodes = method.tree_nodes or 0  # chains unless the name says -t<n>
+            tree = f", trees of up to {nodes} alternatives" if nodes else ""
+            if nodes and spec.profile_cost_model and not engine.planner.cost.shape:
+                # a tree's floor comes from the cost model (policies.trees): this machine's, as a replica's
+                engine.profile_cost_model()
+            note = f"our engine{weights}, {proposer_note(settings, method.proposer)}, depth {depth}{tree}"
+            methods.append(specserve_method(engine, n, name, method.proposer, depth, note, nodes))
     return methods
 
 
-def auto_method(engine: Any, settings: Settings, n: int, name: str = AUTO) -> Method:
+def auto_method(engine: Any, settings: Settings, n: int, name: str = AUTO,
+                tree_nodes: int | None = None) -> Method:  # fmt: skip
     """Requests that leave speculation to the server ("auto"): the configured policy with its cost
     model profiled on these models, as a replica starts. A second engine over the same weights and
     proposers (its own KV cache, in which a layer-skipping proposer drafts), used one request at a
     time. Its default proposer is a replica's: the configured method when loaded, else the first
-    loaded proposer that drafts with a model, else the first loaded."""
+    loaded proposer that drafts with a model, else the first loaded. ``tree_nodes``: the requests'
+    tree budget (``specserve-auto-t0``: chains only); None leaves it to the replica's setting."""
     from dataclasses import replace
 
     from serve_app.engine.engine import SpecEngine
@@ -127,4 +134,6 @@ def auto_method(engine: Any, settings: Settings, n: int, name: str = AUTO) -> Me
     if spec.profile_cost_model:
         auto.profile_cost_model()
     note = f'our engine, speculation "auto": policy {spec.policy} over {", ".join(auto.proposers)}'
-    return specserve_method(auto, n, name, "auto", None, note)
+    trees = spec.tree_nodes if tree_nodes is None else tree_nodes
+    note += f", trees of up to {trees} alternatives" if trees else ", chains only"
+    return specserve_method(auto, n, name, "auto", None, note, tree_nodes)

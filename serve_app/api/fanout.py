@@ -71,7 +71,8 @@ def merge_speculation(blocks: list[p.SpeculationInfo | None]) -> p.SpeculationIn
     known = [b for b in blocks if b is not None]
     if len(known) <= 1:
         return known[0] if known else None
-    total = {k: sum(getattr(b, k) for b in known) for k in ("steps", "spec_steps", "drafted", "accepted")}
+    total = {k: sum(getattr(b, k) for b in known) for k in ("steps", "spec_steps", "drafted", "accepted",
+                                                              "tree_steps")}  # fmt: skip
     positions = max(len(b.accepted_per_position) for b in known)
     per_position = [sum(b.accepted_per_position[i] for b in known if i < len(b.accepted_per_position))
                     for i in range(positions)]  # fmt: skip

@@ -20,11 +20,11 @@ Tools (``tool_protocol``, ``tool_prompt``,
 Logprobs (``logprobs_format``): chat `logprobs` + `top_logprobs` (0..20, needs
 `logprobs: true`), completions `logprobs` (0..20: vLLM's bound, above OpenAI's 5) and `echo` (the
 prompt first, with its logprobs when `logprobs` is set). Extensions: `top_k` (0 or -1 = off), `ignore_eos`,
-`stop_token_ids`, `speculation: {"mode": "auto"|"off"|<proposer>, "max_depth": n >= 0}` (no other
-keys). `model` is required, as in OpenAI's API. Chat messages: roles system, developer (given to the
-template as system), user, assistant, tool; content a string or text parts (joined with newlines),
-null for an assistant message with tool_calls; keys a
-client echoes back from a previous response (`refusal`, `annotations`, ...) are ignored.
+`stop_token_ids`, `speculation: {"mode": "auto"|"off"|<proposer>, "max_depth": n >= 0,
+"tree_nodes": n >= 0}` (no other keys). `model` is required, as in OpenAI's API. Chat messages:
+roles system, developer (given to the template as system), user, assistant, tool; content a string
+or text parts (joined with newlines), null for an assistant message with tool_calls; keys a client
+echoes back from a previous response (`refusal`, `annotations`, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -65,6 +65,11 @@ class SpeculationOptions(BaseModel):
     model_config = _STRICT
     mode: str = Field("auto", min_length=1, description="'auto' (server decides), 'off', or a proposer.")
     max_depth: int | None = Field(None, ge=0, description="Draft at most this many tokens per step.")
+    tree_nodes: int | None = Field(
+        None, ge=0, le=32,
+        description="Alternatives a draft may add beside its chain, verified as a token tree in the same "
+        "forward (0: chains only; unset: the server's policy decides).",
+    )  # fmt: skip
 
 
 class StreamOptions(BaseModel):
@@ -251,7 +256,7 @@ def to_generate_request(
     common = dict(
         request_id=request_id,
         sampling=sampling,
-        speculation=SpecOverride(mode=spec.mode, max_depth=spec.max_depth),
+        speculation=SpecOverride(mode=spec.mode, max_depth=spec.max_depth, tree_nodes=spec.tree_nodes),
         trace_context=dict(trace_context or {}),
         fit_max_tokens=fit,
     )
@@ -302,6 +307,7 @@ class SpeculationInfo(BaseModel):
     acceptance_rate: float = 0.0
     mean_accepted_length: float = 0.0
     accepted_per_position: list[int] = Field(default_factory=list)
+    tree_steps: int = 0  # steps that verified a token tree (drafted then counts its nodes)
 
 
 class CompletionChoice(BaseModel):

@@ -95,6 +95,14 @@ def native_kernels(q: torch.Tensor) -> object | None:
     return _kernels() if q.dtype == torch.float32 and q.device.type == "cpu" else None
 
 
+def tree_exact(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a token tree's nodes get plain decoding's numbers here: attention that sums a query's
+    visible keys alone and in order (our float32 CPU kernel) gives a node over its ancestors what a
+    plain step gives over the same keys laid out in a row; the torch form multiplies masked keys by
+    zero inside blocked products, whose rounding depends on where the visible keys sit."""
+    return native_kernels(torch.empty(0, dtype=dtype, device=device)) is not None
+
+
 def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``probs @ values`` over keys in ``VALUE_CHUNK`` chunks of one size, summed in order.
 

@@ -10,14 +10,21 @@ import torch
 
 from policies.base import Decision
 from serve_app.engine.planner import PlannedRequest
-from serve_app.engine.proposers.base import Draft, FeatureProposer, LookaheadProposer, Proposer, ProposeRow
+from serve_app.engine.proposers.base import (
+    Draft,
+    FeatureProposer,
+    LookaheadProposer,
+    Proposer,
+    ProposeRow,
+    branches,
+)
 from serve_app.engine.request import Request
 
 
-def propose_row(request: Request, depth: int) -> ProposeRow:
-    """``request`` as a proposer sees it, asked for ``depth`` tokens: the whole sequence so far
-    (the last token not yet in the target's cache), its sampling and, for coupled sampling, its
-    noise from the next output position on."""
+def propose_row(request: Request, depth: int, nodes: int = 0, min_score: float = 0.0) -> ProposeRow:
+    """``request`` as a proposer sees it, asked for ``depth`` tokens (and up to ``nodes``
+    alternatives): the whole sequence so far (the last token not yet in the target's cache), its
+    sampling and, for coupled sampling, its noise from the next output position on."""
     return ProposeRow(
         request.slot,
         request.prompt_ids + request.output_ids,
@@ -26,7 +33,17 @@ def propose_row(request: Request, depth: int) -> ProposeRow:
         request.generator,
         request.noise,
         len(request.output_ids),
+        nodes,
+        min_score,
     )
+
+
+def tree_row(request: Request) -> bool:
+    """Whether ``request`` may verify a token tree: greedy or coupled sampling (walking a tree is
+    exact for both, ``engine.tree``), and no penalties or grammar (which score each position after
+    its prefix, and a tree's positions have many prefixes)."""
+    greedy_or_coupled = request.params.greedy or request.noise is not None
+    return greedy_or_coupled and request.penalties is None and request.grammar is None
 
 
 def admit(proposer: Proposer, name: str, request: Request) -> None:
@@ -66,16 +83,19 @@ def planned_request(request: Request, max_seq_len: int, draftable: dict[str, int
         temperature=request.params.temperature,
         mode=request.speculation.mode,
         max_depth=request.speculation.max_depth,
+        tree_nodes=request.speculation.tree_nodes,
+        tree_row=tree_row(request),
         room=max_seq_len - request.num_tokens,
         draftable=draftable,
     )
 
 
 def draft_rows(
-    proposers: Mapping[str, Proposer], requests: list[Request], decisions: list[Decision]
+    proposers: Mapping[str, Proposer], requests: list[Request], decisions: list[Decision], trees: bool = True
 ) -> tuple[list[Draft], dict[str, float], dict[str, int]]:
     """Each proposer drafts for its rows in one call; also its time (admission prefill excluded)
-    and its draft steps (the longest draft it made)."""
+    and its draft steps (the longest draft it made). A decision's tree budget reaches a proposer
+    that branches, for a ``tree_row``, where ``trees`` (the engine's attention keeps them exact)."""
     drafts = [Draft(tokens=[]) for _ in requests]
     seconds: dict[str, float] = {}
     steps: dict[str, int] = {}
@@ -87,7 +107,11 @@ def draft_rows(
         proposer = proposers[name]
         for i in indices:
             admit(proposer, name, requests[i])
-        rows = [propose_row(requests[i], decisions[i].depth) for i in indices]
+        branching = trees and branches(proposer)
+        rows = []
+        for i in indices:
+            nodes = decisions[i].nodes if branching and tree_row(requests[i]) else 0
+            rows.append(propose_row(requests[i], decisions[i].depth, nodes, decisions[i].min_score))
         start = time.perf_counter()
         for i, draft in zip(indices, proposer.propose(rows), strict=True):
             drafts[i] = draft

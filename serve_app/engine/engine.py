@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from policies import FittedCostModel, PolicyConfig, create_policy
+from serve_app.engine.attention import tree_exact
 from serve_app.engine.batch import run_batch
 from serve_app.engine.block_file import resolve_weight_format
 from serve_app.engine.decoder_config import read_generation_eos
@@ -39,6 +40,7 @@ from serve_app.engine.proposers.base import (
     LookaheadProposer,
     ModelDrafter,
     Proposer,
+    branches,
     needs_prefill,
 )
 from serve_app.engine.proposers.registry import ProposerContext, cold_acceptance, create_proposer
@@ -46,6 +48,7 @@ from serve_app.engine.request import Completion, Request, RequestOutput
 from serve_app.engine.sampling import PositionNoise, make_generator, new_seed
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.stopping import StopChecker
+from serve_app.engine.target_step import score_drafts
 from serve_app.engine.verify import verify
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,11 @@ class SpecEngine:
         # Whether a row's numbers are independent of its batch here (engine.exactness); None when off.
         self.exactness = self._make_exact() if config.batch_invariant else None
         self.exact = self.exactness is not None and self.exactness.exact
+        # Token trees (engine.tree) only where they stay exact, or where nothing is promised.
+        self.trees = self.exactness is None or tree_exact(model.dtype, model.device)
+        if not self.trees:
+            log.info("token trees off: attention in %s on %s is not exact for them", model.dtype,
+                     model.device)  # fmt: skip
         self.proposers: dict[str, Proposer] = dict(proposers or {})
         # Proposers that say their draft length before the step (n-gram): asked for every request.
         self._lookups = {n: p for n, p in self.proposers.items() if isinstance(p, LookaheadProposer)}
@@ -93,6 +101,7 @@ class SpecEngine:
         self.planner = SpeculationPlanner(
             policy, list(self.proposers), config.max_depth, config.spec_method, model_pair, stats=stats,
             cold_priors=cold_acceptance(list(self.proposers)),
+            trees={n: config.tree_nodes for n, p in self.proposers.items() if branches(p) and self.trees},
         )  # fmt: skip
         self.use_cost_model(self.planner.cost)
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
@@ -273,43 +282,35 @@ class SpecEngine:
         step_start = time.perf_counter()
         planned = [self._planned(r) for r in requests]
         decisions = self.planner.decide(planned, self.scheduler.num_waiting)
-        drafts, draft_seconds, draft_steps = draft_rows(self.proposers, requests, decisions)
+        drafts, draft_seconds, draft_steps = draft_rows(self.proposers, requests, decisions, self.trees)
         drafts = trim_drafts(requests, drafts)  # a token the grammar refuses ends its draft
         target_start = time.perf_counter()
-        width = 1 + max(len(d.tokens) for d in drafts)
-        tokens = torch.zeros(len(requests), width, dtype=torch.long)  # [B, 1 + K], right-padded
-        for b, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
-            row = [request.output_ids[-1], *draft.tokens]
-            tokens[b, : len(row)] = torch.tensor(row)
-        slots = [r.slot for r in requests]
-        hidden = self.model.forward(tokens.to(self.model.device), self.cache, slots)  # [B, 1 + K, H]
-        logits = self.model.logits(hidden)  # [B, 1 + K, V]
-        scored = penalize(logits, requests, [d.tokens for d in drafts])  # each position after its prefix
-        scored = constrain(scored, requests, [d.tokens for d in drafts])  # likewise the grammar's mask
-        result = verify(scored, [d.tokens for d in drafts], [d.probs for d in drafts],
-                        [r.params for r in requests], [r.generator for r in requests],
-                        [r.noise_at() for r in requests])  # fmt: skip
+        scored = score_drafts(self.model, self.cache, requests, drafts)
         target_seconds = time.perf_counter() - target_start
         # From the verify forward's logits: a verified position's row is plain decoding's (Exact).
-        runs = emitted_logprobs(logits, result.tokens, [r.params.logprobs for r in requests], self.pieces)
+        tops = [r.params.logprobs for r in requests]
+        kept = scored.kept_logits() if any(t is not None for t in tops) else scored.logits
+        runs = emitted_logprobs(kept, scored.tokens, tops, self.pieces)
         outputs = []
         for b, (request, decision, draft, accepted, emitted, run) in enumerate(zip(
-            requests, decisions, drafts, result.num_accepted, result.tokens, runs, strict=True
+            requests, decisions, drafts, scored.num_accepted, scored.tokens, runs, strict=True
         )):  # fmt: skip
-            # Keep the fed token and the accepted drafts; the rest of the row is garbage now.
-            self.cache.set_length(request.slot, self.cache.lengths[request.slot] + 1 + accepted)
-            hand_features(self._heads, request, hidden[b, : 1 + accepted])
+            # Keep the fed token and the accepted drafts (moved together for a tree); the rest of
+            # the row is garbage now.
+            self.cache.keep_rows(request.slot, self.cache.lengths[request.slot], scored.rows[b])
+            hand_features(self._heads, request, scored.hidden[b, scored.rows[b]])
             if decision.proposer is not None:
-                self.proposers[decision.proposer].commit(request.slot, accepted)
-            request.spec_stats.record(decision.proposer, len(draft.tokens), accepted)
+                self.proposers[decision.proposer].commit(request.slot, scored.on_chain[b])
+            depth = draft.tree.depth if draft.tree is not None else None
+            request.spec_stats.record(decision.proposer, draft.width, accepted, depth)
             output = self._emit(request, emitted)
             step = {"step_proposer": decision.proposer, "step_drafted": len(draft.tokens)}
             kept = run.head(len(output.new_token_ids)) if run is not None else None  # a stop drops the rest
             outputs.append(replace(output, step_accepted=accepted, logprobs=kept, **step))
         self.planner.observe(
-            planned, decisions, [len(d.tokens) for d in drafts], result.num_accepted,
-            [len(o.new_token_ids) for o in outputs], target_seconds, draft_seconds, draft_steps,
-            time.perf_counter() - step_start,
+            planned, decisions, [d.tree.depth if d.tree else len(d.tokens) for d in drafts],
+            scored.num_accepted, [len(o.new_token_ids) for o in outputs], target_seconds, draft_seconds,
+            draft_steps, time.perf_counter() - step_start, width=1 + max(d.width for d in drafts),
         )  # fmt: skip
         return outputs
 

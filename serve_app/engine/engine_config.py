@@ -24,6 +24,7 @@ class EngineConfig:
     spec_method: str | None = None  # proposer used when a request says "auto"; None = plain decoding
     spec_depth: int = 4  # draft tokens per step
     max_depth: int = 16  # the most a request may ask for
+    tree_nodes: int = 0  # alternatives a tree may add beside its chain where the policy picks one
     proposer_options: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     policy: str = FIXED_POLICY  # a registered policy name (`specserve policies`)
     policy_params: Mapping[str, object] = field(default_factory=dict)

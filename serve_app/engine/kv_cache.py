@@ -11,6 +11,7 @@ the length forward by the number of tokens it keeps. Rejecting speculated tokens
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,19 @@ class KVCache:
         if not 0 <= length <= self.max_seq_len:
             raise ValueError(f"length {length} outside 0..{self.max_seq_len}")
         self.lengths[slot] = length
+
+    def keep_rows(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        """Keep the rows ``start + rows[j]`` a forward wrote as rows ``start + j`` (every layer) and
+        set the length to ``start + len(rows)``: a tree verify's accepted path (``engine.tree``).
+        ``rows`` ascend from 0 with ``rows[j] >= j``; e.g. rows (0, 1, 4) move row start + 4 to
+        start + 2. The gather copies before the scatter writes, so overlapping moves are safe."""
+        moves = [(start + j, start + r) for j, r in enumerate(rows) if r != j]
+        if moves:
+            dst = torch.tensor([d for d, _ in moves], device=self.k[0].device)
+            src = torch.tensor([s for _, s in moves], device=self.k[0].device)
+            for cache in (*self.k, *self.v):
+                cache[slot].index_copy_(1, dst, cache[slot].index_select(1, src))
+        self.set_length(slot, start + len(rows))
 
     def batch(self, slots: list[int], steps: int, device: torch.device | None = None) -> CacheBatch:
         """Describe a forward of ``steps`` tokens per row over ``slots`` (computed once per forward)."""

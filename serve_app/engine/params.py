@@ -127,9 +127,12 @@ class SpecOverride:
 
     mode: str = "auto"
     max_depth: int | None = None
+    tree_nodes: int | None = None  # alternatives a draft may add as a token tree; None: the policy's
 
     def __post_init__(self) -> None:
         if not self.mode:
             raise ValueError("speculation.mode must be 'auto', 'off' or a proposer name")
         if self.max_depth is not None and self.max_depth < 0:
             raise ValueError("speculation.max_depth must be >= 0")
+        if self.tree_nodes is not None and self.tree_nodes < 0:
+            raise ValueError("speculation.tree_nodes must be >= 0")

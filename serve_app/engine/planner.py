@@ -5,7 +5,11 @@ It owns what a policy needs and the engine must not know about: the acceptance e
 request, seeded with priors per (model pair, proposer, workload) from the shared statistics), the
 how far drafts that may stop early go, the cost model (profiled at start, corrected online from
 measured step times) and each request's
-workload class. After every step it turns the measurements into an ``Outcome`` for the policy, the
+workload class. It also shapes each decision the policy makes into what the step runs: a draft
+of a proposer that branches gets a token-tree budget (the request's ``tree_nodes``, else the
+replica's ``speculation.tree_nodes``) and the floor its alternatives must pass, which the cost
+model sets (``policies.trees``: an alternative joins only where its expected gain beats its
+verify row). After every step it turns the measurements into an ``Outcome`` for the policy, the
 estimator and the cost model, and into counts for the shared statistics sink.
 
 The stats sink is anything with ``record(key, drafted, accepted)`` and ``priors(key)``, keys being
@@ -17,16 +21,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from policies import AcceptanceEstimator, ContinuationEstimator, FittedCostModel, Policy, classify
 from policies.acceptance import ANY
 from policies.base import Decision, Outcome, RequestOutcome, RequestView, StepView
+from policies.goodput import expected_tokens
+from policies.trees import alternative_floor
 
 log = logging.getLogger(__name__)
 
 StatsKey = tuple[str, str, str]  # (model pair, proposer, workload)
+DEFAULT_ACCEPTANCE = 0.5  # where a proposer has no estimate (goodput's default)
 
 
 class StatsSink(Protocol):
@@ -50,6 +57,8 @@ class PlannedRequest:
     max_depth: int | None
     room: int  # draft tokens the KV cache can still take for this request
     draftable: Mapping[str, int] = field(default_factory=dict)  # lookahead proposers' draft lengths
+    tree_nodes: int | None = None  # the request's tree budget (SpecOverride.tree_nodes)
+    tree_row: bool = True  # whether it may verify a tree at all (drafting.tree_row)
 
 
 class SpeculationPlanner:
@@ -65,12 +74,15 @@ class SpeculationPlanner:
         cost: FittedCostModel | None = None,
         stats: StatsSink | None = None,
         cold_priors: Mapping[str, Sequence[float]] | None = None,
+        trees: Mapping[str, int] | None = None,
     ) -> None:
         """``cold_priors``: proposer -> the acceptance to assume for it before any statistics, for
         every workload (what the proposer registered as ``cold_acceptance``); the shared statistics'
-        priors per workload take precedence once they exist."""
+        priors per workload take precedence once they exist. ``trees``: proposer -> the alternatives
+        its drafts may add as a token tree where a request does not say (``_shaped``)."""
         self.policy = policy
         self.proposers = tuple(proposers)
+        self.trees = {p: n for p, n in (trees or {}).items() if p in self.proposers}
         self.max_depth = max_depth
         self.default_method = default_method
         self.model_pair = model_pair
@@ -122,10 +134,38 @@ class SpeculationPlanner:
                 f"policy {self.policy.name} returned {len(decisions)} decisions for {len(requests)}"
             )
         # The policy cannot see the KV cache; a draft never runs past the request's room.
-        return [
-            d if d.depth <= r.room else (Decision(d.proposer, r.room) if r.room > 0 else Decision.plain())
-            for d, r in zip(decisions, requests, strict=True)
-        ]
+        decisions = [self._shaped(d, r) for d, r in zip(decisions, requests, strict=True)]
+        return self._with_floor(step, decisions) if any(d.nodes for d in decisions) else decisions
+
+    def _shaped(self, decision: Decision, request: PlannedRequest) -> Decision:
+        """``decision`` as the step runs it: its tree budget granted (the request's ``tree_nodes``,
+        else the replica's for a proposer that branches; none for a request that may not verify a
+        tree), then cut to the request's KV room."""
+        nodes = 0
+        if decision.proposer is not None and request.tree_row:
+            granted = self.trees.get(decision.proposer, 0)
+            nodes = granted if request.tree_nodes is None else request.tree_nodes
+        shaped = replace(decision, nodes=nodes) if nodes != decision.nodes else decision
+        return _within_room(shaped, request.room)
+
+    def _with_floor(self, step: StepView, decisions: list[Decision]) -> list[Decision]:
+        """Tree decisions with the floor their alternatives must reach (``policies.trees``): the
+        step's expected tokens and time from the estimates and the cost model, at its width."""
+        ctx = sum(v.context_len for v in step.requests) // max(1, step.batch_size)
+        tokens, longest = 0.0, {}
+        for view, d in zip(step.requests, decisions, strict=True):
+            if d.proposer is None:
+                tokens += 1.0
+                continue
+            rates = view.acceptance.get(d.proposer, ())
+            going_on = view.continuation.get(d.proposer)
+            tokens += expected_tokens(rates, d.depth, DEFAULT_ACCEPTANCE, going_on)[d.depth]
+            longest[d.proposer] = max(longest.get(d.proposer, 0), d.depth)
+        rows = step.batch_size
+        draft = sum(k * self.cost.draft_time(p, rows, ctx) for p, k in longest.items())
+        width = 1 + max(d.depth for d in decisions)
+        floor = alternative_floor(self.cost, rows, width, ctx, tokens / rows, draft)
+        return [replace(d, min_score=floor) if d.nodes else d for d in decisions]
 
     def _view(self, r: PlannedRequest) -> RequestView:
         mode = r.mode
@@ -157,7 +197,10 @@ class SpeculationPlanner:
         draft_seconds: dict[str, float],
         draft_steps: dict[str, int],
         step_seconds: float,
+        width: int | None = None,
     ) -> None:
+        """Learn from a step: ``drafted`` per row is its draft's depth (a tree's longest path),
+        ``width`` the forward's tokens per row (default: 1 + the deepest draft; a tree's nodes)."""
         # A proposer asked for a draft that proposed nothing gave what a first-position rejection
         # gives: one token. Counted so, its estimate stays honest; else a free proposer that
         # rarely proposes looks like free tokens at the default acceptance. (n-gram says ahead
@@ -177,7 +220,7 @@ class SpeculationPlanner:
             target_seconds=target_seconds,
             draft_seconds=draft_seconds,
             draft_steps=draft_steps,
-            tokens_per_row=1 + max(drafted, default=0),
+            tokens_per_row=width if width is not None else 1 + max(drafted, default=0),
             context=context,
             step_seconds=step_seconds,
         )
@@ -190,3 +233,15 @@ class SpeculationPlanner:
                 if o.proposer is not None and n:  # shared counts: real drafts only
                     self.stats.record((self.model_pair, o.proposer, o.workload), n, o.accepted)
         self._forget_finished()
+
+
+def _within_room(decision: Decision, room: int) -> Decision:
+    """``decision`` cut to what the request's KV slot can still take: the chain first, then the
+    tree's alternatives (every node of a tree takes a cache row in the verify forward)."""
+    depth = min(decision.depth, room)
+    if depth <= 0 or decision.proposer is None:
+        return Decision.plain()
+    nodes = min(decision.nodes, room - depth)
+    if (depth, nodes) == (decision.depth, decision.nodes):
+        return decision
+    return replace(decision, depth=depth, nodes=nodes)

@@ -30,18 +30,24 @@ class SpecStats:
     proposer: str | None = None  # the proposer of the most recent speculative step
     steps_all_accepted: int = 0  # speculative steps whose whole draft was kept (+ a bonus token)
     steps_none_accepted: int = 0  # speculative steps whose first draft token was rejected
+    tree_steps: int = 0  # speculative steps that verified a token tree (engine.tree)
 
-    def record(self, proposer: str | None, drafted: int, accepted: int) -> None:
+    def record(self, proposer: str | None, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """One step: ``drafted`` tokens verified (a tree's nodes), ``accepted`` kept; ``depth``: a
+        tree's longest path (its positions; default: the chain, ``drafted``)."""
+        tree = depth is not None
+        depth = drafted if depth is None else depth
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
         if drafted:
             self.spec_steps += 1
-            self.steps_all_accepted += accepted == drafted
+            self.tree_steps += tree
+            self.steps_all_accepted += accepted == depth
             self.steps_none_accepted += accepted == 0
         if proposer is not None:
             self.proposer = proposer
-        for counts, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+        for counts, n in ((self.drafted_per_position, depth), (self.accepted_per_position, accepted)):
             counts.extend([0] * (n - len(counts)))
             for j in range(n):
                 counts[j] += 1
@@ -65,6 +71,7 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            "tree_steps": self.tree_steps,
         }
 
 

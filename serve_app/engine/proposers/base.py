@@ -15,6 +15,7 @@ import torch
 
 from serve_app.engine.params import SamplingParams
 from serve_app.engine.sampling import PositionNoise
+from serve_app.engine.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class ProposeRow:
     # first token to draft; a model-based proposer drafts argmax q / E under the target's noise.
     noise: PositionNoise | None = None
     first_index: int = 0
+    # Alternatives a tree may add beside the chain (``engine.tree``); 0 = a chain. Only a
+    # ``TreeProposer`` reads it, and only greedy and coupled rows get a budget.
+    nodes: int = 0
+    min_score: float = 0.0  # an alternative joins only if the proposer's probability of it is higher
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,13 @@ class Draft:
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    # The draft as a token tree (its chain is ``tokens``), when the proposer added alternatives.
+    tree: TokenTree | None = None
+
+    @property
+    def width(self) -> int:
+        """Tokens this draft adds to the verify forward (tree nodes, or the chain)."""
+        return len(self.tokens) if self.tree is None else len(self.tree)
 
 
 @runtime_checkable
@@ -101,6 +113,20 @@ class FeatureProposer(Protocol):
 
     def observe_features(self, slot: int, features: torch.Tensor) -> None:
         """``features`` ``[n, hidden]``: the next ``n`` positions' hidden states of ``slot``."""
+
+
+@runtime_checkable
+class TreeProposer(Protocol):
+    """A proposer that can add alternatives to its chain (``ProposeRow.nodes`` of them at most),
+    returning them as ``Draft.tree``; it says so with ``branches = True``. After the target walks
+    the tree, ``commit`` gets how many of the accepted nodes were the chain's (``TokenTree.on_chain``)."""
+
+    branches: bool
+
+
+def branches(proposer: object) -> bool:
+    """Whether ``proposer`` drafts trees when given a node budget."""
+    return bool(getattr(proposer, "branches", False))
 
 
 def needs_prefill(proposer: object) -> bool:

@@ -4,9 +4,12 @@ The draft keeps its own slot KV cache, with the same slot index as the target's.
 prefix of the request's verified sequence; before drafting, it catches up on the tokens it has not
 seen (the token the target emitted last step, and any accepted draft it never fed), all rows in one
 ragged forward that also yields the first draft token. Each further draft token is one batched
-single-token forward. The last draft token is never fed, so after the target accepts ``a`` of ``k``
-drafts the draft's valid cache is ``sequence + min(a, k - 1)`` tokens: ``commit`` sets that length
-(rollback = not moving the length), and the next catch-up feeds the rest.
+single-token forward. The last draft token is never fed, so after the target accepts ``a`` of
+``k`` drafts the draft's valid cache is ``sequence + min(a, k - 1)`` tokens: ``commit`` sets that
+length (rollback = not moving the length), and the next catch-up feeds the rest. Given a node
+budget (``ProposeRow.nodes``), the runner-up tokens of the drafted positions join the chain as
+alternatives (``proposers.alternatives``); they are never fed to the draft, so its cache holds the
+chain alone, and ``commit`` counts the accepted chain tokens only.
 
 A greedy request drafts the draft's argmax (q is one-hot). A sampling request drafts from the
 draft's own distribution after the request's temperature / top-k / top-p, and records q so that
@@ -23,6 +26,7 @@ import torch
 
 from serve_app.engine.block_file import blocks_path
 from serve_app.engine.model import DecoderModel, DraftOptions
+from serve_app.engine.proposers.alternatives import Alternatives, runner_up
 from serve_app.engine.proposers.base import Draft, ProposeRow
 from serve_app.engine.proposers.choice import choose_tokens
 from serve_app.engine.proposers.registry import ProposerContext
@@ -48,6 +52,7 @@ class DraftModelProposer:
     """Drafts with a second ``DecoderModel`` that shares the target's tokenizer."""
 
     name = "draft"
+    branches = True  # the runner-up at each drafted position may join as an alternative
 
     def __init__(
         self,
@@ -78,6 +83,7 @@ class DraftModelProposer:
             self.cache.free(slot)
 
     def commit(self, slot: int, num_accepted: int) -> None:
+        """``num_accepted``: of the chain's tokens (a walked tree counts its chain nodes only)."""
         state = self._slots[slot]
         keep = state.base + min(num_accepted, state.fed_drafts)
         del state.tokens[keep:]
@@ -100,10 +106,23 @@ class DraftModelProposer:
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = list(range(len(rows)))
+        alternatives = {i: Alternatives(r.nodes, r.min_score) for i, r in enumerate(rows) if r.nodes > 0}
         while True:
-            chosen = choose_tokens(
-                [rows[i] for i in active], logits, self.min_confidence > 0, [len(tokens[i]) for i in active]
-            )
+            drafted = [len(tokens[i]) for i in active]
+            confident = self.min_confidence > 0 or bool(alternatives)
+            chosen = choose_tokens([rows[i] for i in active], logits, confident, drafted)
+            branching = []
+            for k, i in enumerate(active):
+                if i in alternatives and alternatives[i].worth_asking(chosen[k].confidence):
+                    branching.append(k)
+                elif i in alternatives:
+                    alternatives[i].passes(chosen[k].confidence)
+            if branching:
+                seconds = runner_up([rows[active[k]] for k in branching], logits[branching],
+                                    [chosen[k] for k in branching],
+                                    [drafted[k] for k in branching])  # fmt: skip
+                for k, (token, q, q_chosen) in zip(branching, seconds, strict=True):
+                    alternatives[active[k]].add(drafted[k], token, q, q_chosen)
             unsure = set()
             for i, choice in zip(active, chosen, strict=True):
                 tokens[i].append(choice.token)
@@ -118,8 +137,10 @@ class DraftModelProposer:
                 self._slots[rows[i].slot].fed_drafts += 1
             logits = self._feed([rows[i].slot for i in active], [[tokens[i][-1]] for i in active])
         return [
-            Draft(tokens=t, probs=torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)
-        ]
+            Draft(tokens=t, probs=torch.stack(p) if p else None,
+                  tree=alternatives[i].tree(t) if i in alternatives else None)
+            for i, (t, p) in enumerate(zip(tokens, probs, strict=True))
+        ]  # fmt: skip
 
     def _feed(self, slots: list[int], chunks: list[list[int]]) -> torch.Tensor:
         """Feed each slot its chunk (right-padded batch); return logits after each chunk: [B, V]."""

@@ -10,12 +10,15 @@ This is vLLM's ``prompt_lookup_max`` / ``prompt_lookup_min``; the defaults here 
 (unigram matches are frequent and rarely right, and every drafted token costs target compute).
 
 Cost. ``propose`` runs every step for every row on sequences of thousands of tokens, so each slot
-keeps an index ``n-gram tuple -> end position of its most recent occurrence`` for every ``n`` in
+keeps an index ``n-gram tuple -> end positions of its most recent occurrences`` for every ``n`` in
 range, covering the n-grams that end before the last token (the suffix itself is never its own
-match). Each call indexes only the tokens appended since the previous one: O(new tokens x number
-of n) work plus O(number of n) lookups, independent of the sequence length. ``admit`` indexes the
-prompt, ``release`` drops the index, ``commit`` does nothing: the state follows ``token_ids``,
-which is the verified sequence and only grows (rejected drafts never enter it). Should a row's
+match). Given a node budget (``ProposeRow.nodes``), the continuations of older occurrences and of
+shorter matches join the draft as alternatives: the trie of them all, the most recent longest
+match its chain (``engine.tree``). Each call indexes only the tokens appended since the previous
+one: O(new tokens x number of n) work plus O(number of n) lookups, independent of the sequence
+length. ``admit`` indexes the prompt, ``release`` drops the index, ``commit`` does nothing: the
+state follows ``token_ids``, which is the verified sequence and only grows (rejected drafts never
+enter it). Should a row's
 sequence ever shrink or change under the index (not expected in this engine) the slot's index is
 rebuilt from scratch, so a stale position is never proposed from.
 """
@@ -27,16 +30,24 @@ from dataclasses import dataclass, field
 
 from serve_app.engine.proposers.base import Draft, ProposeRow
 from serve_app.engine.proposers.registry import ProposerContext
+from serve_app.engine.tree import TokenTree
 
 DEFAULT_MAX_NGRAM = 4
 DEFAULT_MIN_NGRAM = 2
+RECENT_ENDS = 4  # earlier occurrences of an n-gram remembered, for a tree's alternatives
+# What an alternative continuation is credited with against a tree's floor (ProposeRow.min_score,
+# policies.trees): a lookup has no probabilities, and older matches were rarely right where measured
+# (no extra accepted token over the bench's six prompts, BENCHMARKS.md, twenty-fifth session), so
+# they join only where a verify row is nearly free.
+ALTERNATIVE_SCORE = 0.05
 
 
 @dataclass
 class _SlotIndex:
     """N-grams of one slot's sequence ending at positions ``<= indexed_end`` (exclusive ends)."""
 
-    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> most recent end
+    # n-gram -> its most recent ends, newest first (up to ``RECENT_ENDS``: a tree's alternatives)
+    ends: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
     indexed_end: int = 0  # every n-gram ending at e <= indexed_end is in ``ends``
     last_token: int | None = None  # token_ids[indexed_end - 1] when indexed: a cheap consistency check
 
@@ -45,6 +56,7 @@ class NgramProposer:
     """Prompt lookup: copy what followed the most recent earlier match of the sequence's suffix."""
 
     name = "ngram"
+    branches = True  # given a node budget, what followed earlier occurrences joins as alternatives
 
     def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM) -> None:
         for label, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
@@ -73,12 +85,22 @@ class NgramProposer:
         self._slots[slot] = state
 
     def propose(self, rows: list[ProposeRow]) -> list[Draft]:
-        return [Draft(tokens=self._propose_row(row)) for row in rows]
+        drafts = []
+        for row in rows:
+            paths = self._continuations(row)
+            chain = paths[0] if paths else []
+            tree = None
+            if row.nodes > 0 and len(paths) > 1 and row.min_score < ALTERNATIVE_SCORE:
+                tree = TokenTree.of_paths(paths, max_nodes=len(chain) + row.nodes)
+                tree = tree if len(tree) > len(chain) else None
+            drafts.append(Draft(tokens=chain, tree=tree))
+        return drafts
 
     def lookahead(self, row: ProposeRow) -> int:
         """How many tokens ``propose`` would draft for ``row`` (0: no match); the same lookup
         (it extends the slot's index as ``propose`` would, which ``propose`` then reuses)."""
-        return len(self._propose_row(row))
+        paths = self._continuations(row, first_only=True)
+        return len(paths[0]) if paths else 0
 
     def commit(self, slot: int, num_accepted: int) -> None:
         """Nothing to do: the index follows ``token_ids``, which holds only verified tokens."""
@@ -88,7 +110,10 @@ class NgramProposer:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _propose_row(self, row: ProposeRow) -> list[int]:
+    def _continuations(self, row: ProposeRow, first_only: bool = False) -> list[list[int]]:
+        """What followed the suffix's earlier occurrences, most recent first, from the longest n
+        that matches (the chain: the first); with a node budget, also the older occurrences and
+        the shorter n-grams' (a tree's alternatives)."""
         if row.depth < 0:
             raise ValueError(f"ngram proposer: depth must be >= 0, got {row.depth}")
         tokens = row.token_ids
@@ -100,12 +125,14 @@ class NgramProposer:
         if row.depth == 0:
             return []
         length = len(tokens)
-        ends = state.ends
+        found: list[list[int]] = []
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            end = ends.get(tuple(tokens[length - n :]))
-            if end is not None:  # end <= length - 1: at least one token follows the match
-                return list(tokens[end : end + row.depth])
-        return []
+            for end in state.ends.get(tuple(tokens[length - n :]), ()):
+                # end <= length - 1: at least one token follows the match
+                found.append(list(tokens[end : end + row.depth]))
+                if first_only or row.nodes == 0:
+                    return found
+        return found
 
     @staticmethod
     def _consistent(state: _SlotIndex, tokens: list[int]) -> bool:
@@ -123,7 +150,8 @@ class NgramProposer:
         lo, hi = self.min_ngram, self.max_ngram
         for end in range(state.indexed_end + 1, target_end + 1):
             for n in range(lo, min(hi, end) + 1):
-                ends[tuple(tokens[end - n : end])] = end
+                key = tuple(tokens[end - n : end])
+                ends[key] = (end, *ends.get(key, ())[: RECENT_ENDS - 1])
         state.indexed_end = target_end
         state.last_token = tokens[target_end - 1]
 
