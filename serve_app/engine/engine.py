@@ -304,7 +304,8 @@ class SpecEngine:
             depth = draft.tree.depth if draft.tree is not None else None
             request.spec_stats.record(decision.proposer, draft.width, accepted, depth)
             output = self._emit(request, emitted)
-            step = {"step_proposer": decision.proposer, "step_drafted": len(draft.tokens)}
+            step = {"step_proposer": decision.proposer, "step_drafted": draft.width,
+                    "step_alternatives": draft.width - len(draft.tokens)}
             kept = run.head(len(output.new_token_ids)) if run is not None else None  # a stop drops the rest
             outputs.append(replace(output, step_accepted=accepted, logprobs=kept, **step))
         self.planner.observe(

@@ -148,6 +148,7 @@ class RequestOutput:
     step_proposer: str | None = None  # this step's speculation for the request (None = plain)
     step_drafted: int = 0  # draft tokens verified this step
     step_accepted: int = 0  # of which accepted
+    step_alternatives: int = 0  # of the verified, a token tree's alternatives beside its chain
     scheduled_time: float | None = None  # time.perf_counter() when the request got its KV slot
     logprobs: LogprobRun | None = None  # of new_token_ids, when the request asked (params.logprobs)
     prompt_logprobs: LogprobRun | None = None  # of the prompt, on the first output (params.prompt_logprobs)

@@ -39,7 +39,10 @@ Speculation (vLLM's family, labels ``proposer`` and ``policy``):
   accepted; ``spec_decode_num_accepted_tokens_per_pos`` (``position``, 0-based; acceptance is a
   prefix, so position j counts the drafts that kept more than j tokens);
 - ours: ``spec_decode_fallbacks`` (request-steps decoded plain: no proposer or depth 0 is
-  ``proposer="none"``; an empty draft carries the proposer's name), ``spec_decode_depth``
+  ``proposer="none"``; an empty draft carries the proposer's name), ``spec_decode_num_tree_drafts``
+  / ``spec_decode_num_tree_alternatives`` (request-steps that verified a token tree; the
+  alternatives they verified beside their chains, counted in ``num_draft_tokens`` too),
+  ``spec_decode_depth``
   (histogram: depth chosen per speculative request-step), ``batch_size`` (histogram: requests
   decoded per step), ``exact_mode`` (gauge: 1 when every product runs row-invariant, i.e.
   speculative output is bit-identical to plain decoding).
@@ -124,6 +127,8 @@ NUM_DRAFTS = PREFIX + "spec_decode_num_drafts"
 NUM_DRAFT_TOKENS = PREFIX + "spec_decode_num_draft_tokens"
 NUM_ACCEPTED_TOKENS = PREFIX + "spec_decode_num_accepted_tokens"
 NUM_ACCEPTED_TOKENS_PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos"
+NUM_TREE_DRAFTS = PREFIX + "spec_decode_num_tree_drafts"
+NUM_TREE_ALTERNATIVES = PREFIX + "spec_decode_num_tree_alternatives"
 FALLBACKS = PREFIX + "spec_decode_fallbacks"
 SPEC_DEPTH = PREFIX + "spec_decode_depth"
 BATCH_SIZE = PREFIX + "batch_size"
@@ -172,6 +177,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(NUM_DRAFTS, "counter", "Request-steps that verified a non-empty draft.", SPEC_LABELS),
     MetricSpec(NUM_DRAFT_TOKENS, "counter", "Draft tokens verified by the target.", SPEC_LABELS),
     MetricSpec(NUM_ACCEPTED_TOKENS, "counter", "Draft tokens accepted by the target.", SPEC_LABELS),
+    MetricSpec(NUM_TREE_DRAFTS, "counter", "Request-steps that verified a token tree.", SPEC_LABELS),
+    MetricSpec(
+        NUM_TREE_ALTERNATIVES, "counter", "Tree alternatives verified beside the drafts' chains.", SPEC_LABELS
+    ),
     MetricSpec(
         NUM_ACCEPTED_TOKENS_PER_POS,
         "counter",

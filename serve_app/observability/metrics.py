@@ -34,6 +34,8 @@ from serve_app.observability.metric_names import (
     NUM_DRAFT_TOKENS,
     NUM_DRAFTS,
     NUM_RUNNING,
+    NUM_TREE_ALTERNATIVES,
+    NUM_TREE_DRAFTS,
     NUM_WAITING,
     PREFILL_TIME,
     PROMPT_TOKENS,
@@ -85,12 +87,14 @@ class StepOutcome:
     drafted: int
     accepted: int
     emitted: int
+    alternatives: int = 0  # of ``drafted``, a token tree's alternatives beside its chain
 
     @classmethod
     def of(cls, output: Any) -> StepOutcome:
         """From a ``RequestOutput`` of the step."""
         drafted = output.step_drafted
-        return cls(output.step_proposer, drafted, drafted, output.step_accepted, len(output.new_token_ids))
+        return cls(output.step_proposer, drafted, drafted, output.step_accepted, len(output.new_token_ids),
+                   output.step_alternatives)  # fmt: skip
 
 
 # --- backends -------------------------------------------------------------------------------------
@@ -256,6 +260,9 @@ class EngineMetrics:
             self._sink.inc(NUM_DRAFTS, 1, tags)
             self._inc(NUM_DRAFT_TOKENS, out.drafted, tags)
             self._inc(NUM_ACCEPTED_TOKENS, out.accepted, tags)
+            if out.alternatives > 0:
+                self._sink.inc(NUM_TREE_DRAFTS, 1, tags)
+                self._inc(NUM_TREE_ALTERNATIVES, out.alternatives, tags)
             for position in range(out.accepted):  # acceptance is a prefix: position j kept iff accepted > j
                 self._sink.inc(NUM_ACCEPTED_TOKENS_PER_POS, 1, {**tags, "position": str(position)})
         self._inc(GENERATION_TOKENS, emitted, self._model_tags)
