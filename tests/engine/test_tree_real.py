@@ -1,10 +1,10 @@
 """Token trees on real weights: tree output IS plain output, token for token, greedy and seeded.
 
-SmolLM2 in float32 on its GGUF-derived weights, as ``specserve serve`` computes a quantized target
-on a CPU (our float32 attention: trees are exact there, ``engine.tree``). The draft is SmolLM2
-itself in another weight format (Q8 against the target's dense float32), so it is right most of
-the time and wrong sometimes: the walk leaves the chain for an alternative now and then. In bf16
-trees are off (``attention.tree_exact``): the engine says so and verifies chains.
+SmolLM2 in float32 (our float32 attention, as a quantized target on a CPU runs: trees are exact
+there, ``engine.tree``). The draft is SmolLM2 itself in 4-bit weights (re-quantized to Q4_K, against
+the target's dense float32), so it is right most of the time and wrong sometimes: the walk leaves
+the chain for an alternative now and then. The cost model is flat (every budgeted alternative joins).
+In bf16 trees are off (``attention.tree_exact``): the engine says so and verifies chains.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from policies import FittedCostModel
 from serve_app.engine import engine as engine_module
 from serve_app.engine.engine import SpecEngine
 from serve_app.engine.engine_config import EngineConfig
@@ -33,10 +34,13 @@ def params(seed: int | None) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path) -> SpecEngine:
-    proposers = {"draft": {"model_path": smollm2_path, "weight_format": "q8"}, "ngram": {"max_ngram": 3}}
+    proposers = {"draft": {"model_path": smollm2_path, "weight_format": "q4k"}, "ngram": {"max_ngram": 3}}
     config = EngineConfig(max_slots=6, max_seq_len=256, spec_method="draft", spec_depth=4, max_depth=8,
                           proposer_options=proposers, max_waiting=16)  # fmt: skip
-    return SpecEngine.from_path(smollm2_path, config, "float32", "cpu")
+    engine = SpecEngine.from_path(smollm2_path, config, "float32", "cpu")
+    # A forward that costs the same at every width: the floor is 0, every budgeted alternative joins.
+    engine.use_cost_model(FittedCostModel(target=(0.05, 0.0, 0.0, 0.0), knee=64))
+    return engine
 
 
 @pytest.fixture(scope="module")

@@ -154,3 +154,22 @@ def test_ngram_trees_offer_every_continuation(tiny_tokenizer) -> None:
     assert ngram.lookahead(row) == 2
     (chain,) = ngram.propose([ProposeRow(0, tokens, depth=2, params=GREEDY, generator=None)])
     assert chain.tokens == [5, 7] and chain.tree is None
+
+
+def test_logprobs_of_a_walked_tree_are_plain_decodings(target_hf, tiny_tokenizer, prompts, plain) -> None:
+    """A tree row's logprobs come from the rows of its accepted path (``TargetStep.kept_logits``)."""
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1, ignore_eos=True, logprobs=0)]
+    rows = prompts[:2]
+    reference = make_tiny_engine(target_hf, tiny_tokenizer, slots=2).generate(rows, params)
+    references = [p + r.token_ids for p, r in zip(rows, reference, strict=True)]
+    oracle = TreeOracle(references, 0.4, 1.0, len(tiny_tokenizer))
+    engine = make_tiny_engine(target_hf, tiny_tokenizer, proposers={"oracle": oracle}, method="oracle",
+                              depth=4, max_depth=8, slots=2)  # fmt: skip
+    results = engine.generate(rows, params, SpecOverride(mode="oracle", tree_nodes=3))
+    assert oracle.trees > 0
+    for got, want in zip(results, reference, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.logprobs.token_ids == want.logprobs.token_ids
+        assert got.logprobs.logprobs == want.logprobs.logprobs
+        assert got.logprobs.top_ids == want.logprobs.top_ids
