@@ -50,11 +50,11 @@ def products_on_every_path(module, weight, x: torch.Tensor) -> dict[str, torch.T
 
 # in_features: one super-block; the Qwen 1.5B widths; for q8 also an even and an odd number of
 # blocks (50 and 51: the last tile half empty)
-# rows: 1 = decode; 3 = the VNNI path's groups of rows; 4 = AMX's first width; 9 = groups of 4, 4
-# and 1 (VNNI) or one tile (AMX); 17 and 33 = AMX chunks of 16 with a zero-padded tail. 67 outputs:
-# four groups of 16 and a last group of 3
+# rows: 1 = decode; 3 = the VNNI path's groups of rows; 4 = AMX's first width; 5 = the Q4_K VNNI
+# path's one pass of 5; 9 = passes of 4 and 5 (Q4_K VNNI), 4, 4 and 1 (Q6_K VNNI) or one tile (AMX);
+# 17 and 33 = AMX chunks of 16 with a zero-padded tail. 67 outputs: four groups of 16 and a last of 3
 @pytest.mark.parametrize("six_bits", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 17, 33])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 17, 33])
 @pytest.mark.parametrize("in_features", [256, 1536, 8960])
 def test_q4k_and_q6k_paths_agree(kernels, in_features: int, rows: int, six_bits: bool) -> None:
     torch.manual_seed(in_features)

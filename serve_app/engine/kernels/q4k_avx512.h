@@ -116,7 +116,7 @@ SPECSERVE_AVX512_FN void group_rows_avx512(const uint8_t* tiles, const Rows& x, 
         hi[v] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
       }
       const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + kOutputs * b)));
-#pragma GCC unroll 4
+#pragma GCC unroll 5
       for (int r = 0; r < G; ++r) {
         const int8_t* xb = x.q + (r0 + r) * x.k + s * kSuper + b * kBlock;
         __m512i block = _mm512_setzero_si512();
@@ -128,7 +128,7 @@ SPECSERVE_AVX512_FN void group_rows_avx512(const uint8_t* tiles, const Rows& x, 
       }
     }
     const FloatStep step(w);
-#pragma GCC unroll 4
+#pragma GCC unroll 5
     for (int r = 0; r < G; ++r) {
       const int64_t row = r0 + r;
       step.apply(s1[r], x.bsum + row * (x.k / kBlock) + s * kBlocks, x.scale[row * x.supers + s], acc[r], mins[r]);
@@ -138,11 +138,16 @@ SPECSERVE_AVX512_FN void group_rows_avx512(const uint8_t* tiles, const Rows& x, 
 }
 
 // Every row against one output group, four rows per pass (the group's tiles stay in L1 / L2 for the
-// passes after the first).
+// passes after the first), and five in the last one rather than four and then one: a verify of 5
+// tokens (depth 4) reads and unpacks the group's tiles once. Measured on an AMD EPYC (17920 x 1536,
+// ms per product): 5 rows 1.004 as 4 + 1, 0.912 as one pass of 5; wider passes lose (8 rows in one
+// pass 1.354 against 1.226 as 4 + 4: the accumulators no longer fit the registers).
 inline SPECSERVE_AVX512_FN void group_avx512(const uint8_t* tiles, const Rows& x, int64_t rows, const Out& out) {
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) group_rows_avx512<4>(tiles, x, r, out);
+  for (; rows - r > 5; r += 4) group_rows_avx512<4>(tiles, x, r, out);
   switch (rows - r) {
+    case 5: group_rows_avx512<5>(tiles, x, r, out); break;
+    case 4: group_rows_avx512<4>(tiles, x, r, out); break;
     case 3: group_rows_avx512<3>(tiles, x, r, out); break;
     case 2: group_rows_avx512<2>(tiles, x, r, out); break;
     case 1: row_avx512(tiles, x, r, out); break;
