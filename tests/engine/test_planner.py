@@ -9,15 +9,10 @@ from serve_app.config import StatsSettings
 from serve_app.engine.engine import SpecEngine
 from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.observability.shared_stats import AcceptanceKey, EngineStatsSink, SharedStats
-from tests.conftest import hf_greedy, make_tiny_engine, make_tiny_hf_model
+from tests.conftest import hf_greedy, make_tiny_engine
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "specserve", "tags": [', "x"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def target_hf(tiny_tokenizer):
-    return make_tiny_hf_model(len(tiny_tokenizer), seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -67,11 +67,6 @@ class OracleProposer:
 
 
 @pytest.fixture(scope="module")
-def target_hf(tiny_tokenizer):
-    return make_tiny_hf_model(len(tiny_tokenizer), seed=0)
-
-
-@pytest.fixture(scope="module")
 def prompts(tiny_tokenizer) -> list[list[int]]:
     return [tiny_tokenizer(p)["input_ids"] for p in PROMPTS]
 

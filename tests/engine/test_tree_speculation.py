@@ -9,15 +9,13 @@ coupled sampling, batches mixing trees, chains, rejection sampling and plain row
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from serve_app.engine.params import SamplingParams, SpecOverride
 from serve_app.engine.proposers.base import Draft, ProposeRow
 from serve_app.engine.tree import TokenTree
 from tests.conftest import make_tiny_engine, make_tiny_hf_model
-from tests.engine.test_speculative import NGRAM_3_1, PROMPTS
+from tests.engine.test_speculative import NGRAM_3_1, PROMPTS, OracleProposer
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -26,28 +24,21 @@ def seeded(seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
 
 
-class TreeOracle:
+class TreeOracle(OracleProposer):
     """Knows each request's plain output; drafts a chain right with probability ``agree`` per token
     and, at the chain's first wrong token, a branch holding the right continuation (up to the node
     budget) with probability ``branch``."""
 
-    name = "oracle"
     branches = True
 
     def __init__(self, references: list[list[int]], agree: float, branch: float, vocab: int) -> None:
-        self.references, self.agree, self.branch, self.vocab = references, agree, branch, vocab
-        self.rng = random.Random(0)
+        super().__init__(references, agree, vocab)
+        self.branch = branch
         self.committed: list[int] = []
         self.trees = 0
 
-    def admit(self, slot: int, prompt_ids: list[int]) -> None:
-        pass
-
     def commit(self, slot: int, num_accepted: int) -> None:
         self.committed.append(num_accepted)
-
-    def release(self, slot: int) -> None:
-        pass
 
     def propose(self, rows: list[ProposeRow]) -> list[Draft]:
         drafts = []
@@ -63,11 +54,6 @@ class TreeOracle:
             self.trees += 1
             drafts.append(Draft(tokens=chain, tree=tree))
         return drafts
-
-
-@pytest.fixture(scope="module")
-def target_hf(tiny_tokenizer):
-    return make_tiny_hf_model(len(tiny_tokenizer), seed=0)
 
 
 @pytest.fixture(scope="module")
