@@ -289,8 +289,8 @@ class SpecEngine:
         target_seconds = time.perf_counter() - target_start
         # From the verify forward's logits: a verified position's row is plain decoding's (Exact).
         tops = [r.params.logprobs for r in requests]
-        kept = scored.kept_logits() if any(t is not None for t in tops) else scored.logits
-        runs = emitted_logprobs(kept, scored.tokens, tops, self.pieces)
+        path_logits = scored.kept_logits() if any(t is not None for t in tops) else scored.logits
+        runs = emitted_logprobs(path_logits, scored.tokens, tops, self.pieces)
         outputs = []
         for b, (request, decision, draft, accepted, emitted, run) in enumerate(zip(
             requests, decisions, drafts, scored.num_accepted, scored.tokens, runs, strict=True
