@@ -279,6 +279,21 @@ def test_stream_equals_plain_decoding(client: openai.OpenAI) -> None:
 
 @pytest.mark.slow
 @pytest.mark.pack("smollm2-135m-instruct")
+def test_a_request_may_ask_for_token_trees(client: openai.OpenAI) -> None:
+    """``speculation.tree_nodes`` through the official client: the same text as plain decoding, a
+    ``tree_steps`` count in the block; a negative budget is a 400 in OpenAI's shape."""
+    plain = chat(client, extra_body={"speculation": {"mode": "off"}})
+    trees = {"speculation": {"mode": "draft", "tree_nodes": 3}}
+    text, speculation, _ = streamed_text(client, extra_body=trees)
+    assert text == plain.choices[0].message.content
+    assert speculation is not None and speculation["drafted"] > 0 and speculation["tree_steps"] >= 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, extra_body={"speculation": {"mode": "draft", "tree_nodes": -1}})
+    assert "tree_nodes" in str(refused.value)
+
+
+@pytest.mark.slow
+@pytest.mark.pack("smollm2-135m-instruct")
 def test_unknown_request_fields_are_ignored(client: openai.OpenAI) -> None:
     """What LangChain / LiteLLM send beside OpenAI's fields: accepted, ignored, the same answer."""
     extras = {"chat_template_kwargs": {"enable_thinking": False}, "repetition_detection": True}
