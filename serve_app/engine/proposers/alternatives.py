@@ -25,12 +25,17 @@ def runner_up(rows: list[ProposeRow], logits: torch.Tensor, chosen: list[Choice]
               drafted: list[int]) -> list[tuple[int, float, float]]:  # fmt: skip
     """Per row: (runner-up token, its probability, the chosen token's probability) under the
     proposer's distribution ``logits`` ``[B, V]``; ``drafted[b]`` is row b's output offset."""
-    out = []
+    out: list[tuple[int, float, float]] = []
+    greedy = [b for b, row in enumerate(rows) if row.params.greedy]
+    if greedy:  # the two best of each greedy row, their probabilities without a softmax over V
+        flat = logits[greedy].float()  # [G, V]
+        top = flat.topk(2, dim=-1)  # [G, 2]
+        probs = (top.values - flat.logsumexp(dim=-1, keepdim=True)).exp().tolist()
+        seconds = dict(zip(greedy, zip(top.indices[:, 1].tolist(), probs, strict=True), strict=True))
     for b, (row, choice) in enumerate(zip(rows, chosen, strict=True)):
         if row.params.greedy:
-            q = logits[b].float().softmax(dim=-1)  # [V]
-            top = q.topk(2)
-            out.append((int(top.indices[1]), float(top.values[1]), float(top.values[0])))
+            token, (first, second) = seconds[b]
+            out.append((token, second, first))
             continue
         settings = [torch.tensor([v]) for v in (row.params.temperature, row.params.top_k, row.params.top_p)]
         q = process_logits(logits[b][None].float(), *settings)[0].cpu()  # [V]

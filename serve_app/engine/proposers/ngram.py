@@ -87,10 +87,12 @@ class NgramProposer:
     def propose(self, rows: list[ProposeRow]) -> list[Draft]:
         drafts = []
         for row in rows:
-            paths = self._continuations(row)
+            # alternatives only where they could pass the tree's floor: else the first match alone
+            branching = row.nodes > 0 and row.min_score < ALTERNATIVE_SCORE
+            paths = self._continuations(row, first_only=not branching)
             chain = paths[0] if paths else []
             tree = None
-            if row.nodes > 0 and len(paths) > 1 and row.min_score < ALTERNATIVE_SCORE:
+            if branching and len(paths) > 1:
                 tree = TokenTree.of_paths(paths, max_nodes=len(chain) + row.nodes)
                 tree = tree if len(tree) > len(chain) else None
             drafts.append(Draft(tokens=chain, tree=tree))
@@ -112,7 +114,7 @@ class NgramProposer:
 
     def _continuations(self, row: ProposeRow, first_only: bool = False) -> list[list[int]]:
         """What followed the suffix's earlier occurrences, most recent first, from the longest n
-        that matches (the chain: the first); with a node budget, also the older occurrences and
+        that matches (the chain: the first); unless ``first_only``, also the older occurrences and
         the shorter n-grams' (a tree's alternatives)."""
         if row.depth < 0:
             raise ValueError(f"ngram proposer: depth must be >= 0, got {row.depth}")
@@ -130,7 +132,7 @@ class NgramProposer:
             for end in state.ends.get(tuple(tokens[length - n :]), ()):
                 # end <= length - 1: at least one token follows the match
                 found.append(list(tokens[end : end + row.depth]))
-                if first_only or row.nodes == 0:
+                if first_only:
                     return found
         return found
 
