@@ -298,7 +298,7 @@ class SpecEngine:
             # Keep the fed token and the accepted drafts (moved together for a tree); the rest of
             # the row is garbage now.
             self.cache.keep_rows(request.slot, self.cache.lengths[request.slot], scored.rows[b])
-            hand_features(self._heads, request, scored.kept_hidden(b))
+            hand_features(self._heads, request, scored.hidden[b, scored.rows[b]])
             if decision.proposer is not None:
                 self.proposers[decision.proposer].commit(request.slot, scored.on_chain[b])
             depth = draft.tree.depth if draft.tree is not None else None
