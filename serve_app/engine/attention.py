@@ -45,7 +45,7 @@ def grouped_attention(
     kv_heads = keys.shape[1]
     width = keys.shape[2] if width is None else width
     if (native := native_kernels(q)) is not None:
-        visible = mask[:, 0] if mask is not None else _NONE
+        visible = mask[:, 0] if mask is not None else NO_MASK
         return native.small_attention(q, keys, values, visible, width, scale).transpose(1, 2)  # [B, H, T, D]
     group = heads // kv_heads
     rows = group * steps
@@ -80,7 +80,7 @@ def grouped_attention(
     return out[:, :, :rows].reshape(bsz, heads, steps, dim)  # [B, H, T, D]
 
 
-_NONE = torch.empty(0, dtype=torch.bool)  # no mask: every query sees every key up to the width
+NO_MASK = torch.empty(0, dtype=torch.bool)  # for the kernels: every query sees every key up to the width
 
 
 @cache

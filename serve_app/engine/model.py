@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from serve_app.engine.attention import VALUE_CHUNK, grouped_attention, native_kernels
+from serve_app.engine.attention import NO_MASK, VALUE_CHUNK, grouped_attention, native_kernels
 from serve_app.engine.block_file import BLOCKS_FILE, blocks_path, read_blocks
 from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
@@ -129,6 +129,13 @@ class DecoderLayer:
         h = _rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
         plans = self.plans
         qkv = linear(h, self.qkv, self.qkv_bias, plans["qkv"])  # [B, T, (H + 2 H_kv) D]
+        if steps <= SMALL_QUERY and (native := native_kernels(qkv)) is not None:
+            # rotation, cache write and attention in one call, the numbers of the ops below
+            visible = NO_MASK if mask is None else mask[:, 0]
+            attn = native.cached_attention(qkv, cos[:, 0], sin[:, 0], cache.k[index], cache.v[index],
+                                           batch.slots, batch.starts, visible, batch.upto, cfg.num_heads,
+                                           self.scale)  # fmt: skip  [B, T, H D]
+            return self._mlp(x + linear(attn, self.o, self.o_bias, plans["o"]))
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(bsz, steps, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(bsz, steps, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
@@ -150,8 +157,12 @@ class DecoderLayer:
                 enable_gqa=cfg.num_heads != cfg.num_kv_heads,
             )  # fmt: skip
         attn = attn.transpose(1, 2).reshape(bsz, steps, self.q_size)  # [B, T, H D]
-        x = x + linear(attn, self.o, self.o_bias, plans["o"])
-        h = _rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
+        return self._mlp(x + linear(attn, self.o, self.o_bias, plans["o"]))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's second half: ``x + down(silu(gate) * up)`` of the normed ``x`` ``[B, T, hidden]``."""
+        plans = self.plans
+        h = _rms_norm(x, self.mlp_norm, self.cfg.rms_norm_eps)
         gate, up = linear(h, self.gate_up, self.gate_up_bias, plans["gate_up"]).chunk(2, dim=-1)  # [B, T, I]
         return x + linear(F.silu(gate) * up, self.down, self.down_bias, plans["down"])
 

@@ -35,11 +35,6 @@ class TargetStep:
     rows: list[list[int]]  # forward indices kept, in order: 0, then the accepted nodes' 1 + node
     on_chain: list[int]  # of the accepted, how many were the proposer's chain (its ``commit``)
 
-    def kept_hidden(self, b: int) -> torch.Tensor:
-        """``[n, H]``: row ``b``'s hidden states at its kept indices, in order (a view for a chain)."""
-        rows = self.rows[b]
-        return self.hidden[b, : len(rows)] if rows[-1] == len(rows) - 1 else self.hidden[b, rows]
-
     def kept_logits(self) -> torch.Tensor:
         """``[B, W', V]``: each row's logits at its kept indices, first (a chain's are already so)."""
         if all(r == list(range(len(r))) for r in self.rows):

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <vector>
 
+#include "attend.h"
+
 namespace {
 
 constexpr int kLanes = 16;  // partial sums per reduction, added in one fixed order at the end
@@ -60,6 +62,31 @@ inline float exp_nonpositive(float x) {
 }
 
 }  // namespace
+
+namespace specserve {
+
+void attend_query(const float* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
+                  int64_t width, const bool* seen, float scale, int64_t dim, float* scores, float* acc, float* out) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < width; ++j) {
+    if (seen && !seen[j]) continue;
+    scores[j] = dot(q, keys + j * key_stride, dim) * scale;
+    top = std::max(top, scores[j]);
+  }
+  std::fill(acc, acc + dim, 0.0f);
+  float total = 0.0f;
+  for (int64_t j = 0; j < width; ++j) {
+    if (seen && !seen[j]) continue;
+    const float p = exp_nonpositive(scores[j] - top);
+    total += p;
+    const float* vj = values + j * value_stride;
+    for (int64_t d = 0; d < dim; ++d) acc[d] += p * vj[d];
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int64_t d = 0; d < dim; ++d) out[d] = acc[d] * inv;
+}
+
+}  // namespace specserve
 
 // x [..., H] float32, weight [H] float32 -> weight * (x / sqrt(mean(x^2) + eps)), per row.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -135,24 +162,8 @@ torch::Tensor small_attention(const torch::Tensor& q, const torch::Tensor& keys,
       for (int64_t t = 0; t < steps; ++t) {
         const float* qt = qp + ((b * heads + h) * steps + t) * dim;
         const bool* seen = masked ? mp + (b * steps + t) * vis_width : nullptr;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < width; ++j) {
-          if (seen && !seen[j]) continue;
-          scores[j] = dot(qt, kb + j * ks2, dim) * s;
-          top = std::max(top, scores[j]);
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        float total = 0.0f;
-        for (int64_t j = 0; j < width; ++j) {
-          if (seen && !seen[j]) continue;
-          const float p = exp_nonpositive(scores[j] - top);
-          total += p;
-          const float* vj = vb + j * vs2;
-          for (int64_t d = 0; d < dim; ++d) acc[d] += p * vj[d];
-        }
-        float* o = op + ((b * steps + t) * heads + h) * dim;
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] * inv;
+        specserve::attend_query(qt, kb, ks2, vb, vs2, width, seen, s, dim, scores.data(), acc.data(),
+                                op + ((b * steps + t) * heads + h) * dim);
       }
     }
   });

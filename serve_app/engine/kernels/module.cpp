@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <vector>
 
 #include "common.h"
 
@@ -11,6 +12,10 @@ torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& tiles, int
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor small_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                               const torch::Tensor& visible, int64_t width, double scale);
+torch::Tensor cached_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                               torch::Tensor& k_cache, torch::Tensor& v_cache, const std::vector<int64_t>& slots,
+                               const std::vector<int64_t>& starts, const torch::Tensor& visible, int64_t width,
+                               int64_t heads, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The products release the GIL, as torch's own ops do: a server's other Python threads (its event
@@ -25,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("small_attention", &small_attention,
         "grouped-query attention of few queries over cache views (float32, exact in the rows)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("cached_attention", &cached_attention,
+        "rotary embedding, KV cache write and attention of a step's queries from the fused qkv (float32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("vectorized", [] { return static_cast<bool>(SPECSERVE_AVX2); }, "whether the AVX2 kernels were compiled in");
   m.def("active_isa", [] { return std::string(specserve::active_isa()); },
