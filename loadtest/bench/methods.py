@@ -52,12 +52,16 @@ def without_invariance(method: Method, engine: Any) -> Method:
     return Method(method.name, run, description=method.description)
 
 
-def proposer_note(settings: Settings, proposer: str) -> str:
-    """The proposer as configured: its model (if it drafts with one) and its options."""
+def proposer_note(settings: Settings, proposer: str, engine: Any = None) -> str:
+    """The proposer as configured: its model (if it drafts with one) and its options; given the
+    ``engine``, the weight format its model was loaded in (an option of "target" resolves per host)."""
     role = proposer_spec(proposer).model_role
     model = f" {getattr(settings.model, role)}" if role else ""
     options = getattr(settings.speculation.proposers, proposer).model_dump()
     listed = ", ".join(f"{k}={v}" for k, v in options.items())
+    loaded = getattr(getattr(engine, "proposers", {}).get(proposer), "model", None)
+    if loaded is not None:
+        listed += f"{', ' if listed else ''}loaded as {loaded.weight_format}"
     return f"{proposer}{model}" + (f" ({listed})" if listed else "")
 
 
@@ -97,7 +101,8 @@ def our_methods(
             if nodes and spec.profile_cost_model and not engine.planner.cost.shape:
                 # a tree's floor comes from the cost model (policies.trees): this machine's, as a replica's
                 engine.profile_cost_model()
-            note = f"our engine{weights}, {proposer_note(settings, method.proposer)}, depth {depth}{tree}"
+            configured = proposer_note(settings, method.proposer, engine)
+            note = f"our engine{weights}, {configured}, depth {depth}{tree}"
             methods.append(specserve_method(engine, n, name, method.proposer, depth, note, nodes))
     return methods
 

@@ -212,3 +212,27 @@ def test_a_q4k_draft_keeps_speculation_exact(tiny_tokenizer) -> None:
     assert [r.token_ids for r in drafted] == plain
     stats = drafted[0].spec_stats
     assert stats.drafted > 0 and stats.accepted / stats.drafted > 0.5  # the same model, 4-bit
+
+
+@pytest.mark.parametrize(
+    ("isa", "target", "has_blocks", "want"),
+    [
+        ("avx2", "gguf", True, "q4k"),  # the fifth bits of Q5_0 cost more than padding to 1024
+        ("avx512", "gguf", True, "gguf"),
+        ("amx", "gguf", True, "gguf"),
+        ("avx2", "gguf", False, "q8"),  # no blocks to take
+        ("avx2", "q8", True, "q8"),
+        ("avx2", "dense", True, "dense"),
+    ],
+)
+def test_a_draft_takes_the_target_format_but_q4k_for_gguf_on_avx2(monkeypatch, isa, target, has_blocks, want):
+    from serve_app.engine import kernels
+    from serve_app.engine.proposers.draft_model import draft_format_for
+
+    class Kernels:
+        @staticmethod
+        def active_isa() -> str:
+            return isa
+
+    monkeypatch.setattr(kernels, "kernels_module", lambda: Kernels)
+    assert draft_format_for(target, has_blocks) == want

@@ -195,9 +195,28 @@ def frequent_token_ids(tokenizer: object, count: int) -> tuple[int, ...]:
     return tuple(sorted(set(range(count)) | special))
 
 
+def draft_format_for(target_format: str, has_blocks: bool) -> str:
+    """The draft's weight format when its options say "target": the target's, where the draft's
+    folder can have it (gguf needs the pack's blocks; else q8), except on a host whose products run
+    the AVX2 path, where a gguf target gets a ``q4k`` draft. There a Qwen 0.5B draft's 896-wide
+    Q5_0 matrices cost 7 vector operations per 32 weights just to put their fifth bits together:
+    its ``q4k`` form (Q4_K, inputs padded to 1024) drafted a token in 18.0 ms against 23.9 and
+    prefilled 1.8x faster, and a depth-4 draft went from 1.05x to 1.12x plain on code and JSON
+    (BENCHMARKS.md, twenty-sixth session) for 4-6 points less acceptance. With AVX-512 the fifth
+    bits are a mask blend, and the twelfth session measured the two forms about even: the target's."""
+    from serve_app.engine.kernels import kernels_module
+
+    if target_format != "gguf":
+        return target_format
+    if not has_blocks:
+        return "q8"
+    kernels = kernels_module()
+    return "q4k" if kernels is not None and kernels.active_isa() == "avx2" else "gguf"
+
+
 def build_draft_proposer(context: ProposerContext) -> DraftModelProposer:
     """Options: ``model_path`` (a model folder), ``model_name`` / ``target_name`` (for messages),
-    ``dtype``, ``weight_format`` ("target": the target's), ``int8`` (int8 weight-only layers where
+    ``dtype``, ``weight_format`` ("target": ``draft_format_for``), ``int8`` (int8 weight-only layers where
     the format is dense), ``head_tokens`` (keep only this many of
     the most frequent tokens in the draft's output head; 0 = all), ``min_confidence``."""
     from transformers import AutoTokenizer
@@ -210,10 +229,8 @@ def build_draft_proposer(context: ProposerContext) -> DraftModelProposer:
         "target_name", "the target")), name)  # fmt: skip
     head_tokens = int(context.options.get("head_tokens", 0) or 0)
     weight_format = str(context.options.get("weight_format", "target"))
-    if weight_format == "target":  # the target's, where this folder can have it (gguf needs blocks)
-        weight_format = target.weight_format
-        if weight_format == "gguf" and not blocks_path(path).is_file():
-            weight_format = "q8"
+    if weight_format == "target":
+        weight_format = draft_format_for(target.weight_format, blocks_path(path).is_file())
     options = DraftOptions(
         int8=weight_format == "dense" and bool(context.options.get("int8", False)),
         head_ids=frequent_token_ids(context.tokenizer, head_tokens) if head_tokens else None,

@@ -22,8 +22,9 @@ class NoOptions(_Options):
 class DraftModelOptions(_Options):
     weight_format: Literal["target", "dense", "q8", "gguf", "q4k"] = Field(
         "target",
-        description="The draft's matrices: as the target's (runtime.weight_format), or a format of its own "
-        "(q4k: every matrix in 4 bits, the cheapest draft step; needs the pack's GGUF blocks).",
+        description="The draft's matrices: as the target's (runtime.weight_format; for a gguf target on "
+        "an AVX2-only host, q4k: measured faster there), or a format of its own (q4k: every matrix in "
+        "4 bits, the cheapest draft step; needs the pack's GGUF blocks).",
     )
     int8: bool = Field(
         True, description="With dense draft weights: layers as int8 (half the bytes per draft step)."
