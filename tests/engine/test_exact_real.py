@@ -13,6 +13,7 @@ import pytest
 from serve_app.engine.engine import SpecEngine
 from serve_app.engine.engine_config import EngineConfig
 from serve_app.engine.params import SamplingParams, SpecOverride
+from serve_app.engine.proposers.draft_model import draft_format_for
 from serve_app.engine.proposers.registry import ProposerContext, create_proposer
 from tests.conftest import pack_path
 
@@ -136,13 +137,14 @@ def test_qwen_pair_is_exact_in_bf16(qwen_pair) -> None:
 
 @pytest.mark.slow
 def test_qwen_pair_on_the_packs_own_gguf_blocks_is_exact(qwen_pair) -> None:
-    """What `specserve serve` runs by default here: both models on their GGUF blocks (Q4_K kept)."""
+    """What `specserve serve` runs by default here: the target on its GGUF blocks (Q4_K kept), the
+    draft on its own or, on an AVX2-only host, in Q4_K throughout (``draft_format_for``)."""
     target, draft = qwen_pair
     engine = load(target, {"draft": {"model_path": draft}, "ngram": {}}, depth=5, weights="auto")
     assert engine.config.weight_format == "gguf" and engine.exact
     kinds = {type(layer.gate_up).__name__ for layer in engine.model.layers}
     assert "Q4KWeight" in kinds
-    assert engine.proposers["draft"].model.weight_format == "gguf"
+    assert engine.proposers["draft"].model.weight_format == draft_format_for("gguf", has_blocks=True)
     prompts = [engine.encode_prompt(PROMPTS[1]), engine.encode_prompt(CHAT[0], chat=True)]
     plain = tokens(engine, prompts, GREEDY, "off")
     for mode in ("draft", "ngram"):
