@@ -7,11 +7,14 @@ torch form below, padded where the device needs it (``engine.exactness``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import torch
 
 from serve_app.engine.invariance import RowPlan
+from serve_app.engine.kv_cache import CacheBatch, KVCache
 
 # The probability-weighted sum of values runs over keys in chunks of this many (the last one
 # zero-padded), added in order: a product's rounding may change with its number of keys (measured
@@ -81,6 +84,34 @@ def grouped_attention(
 
 
 NO_MASK = torch.empty(0, dtype=torch.bool)  # for the kernels: every query sees every key up to the width
+
+
+@dataclass(frozen=True)
+class CachedAttention:
+    """One forward's inputs to the one-call step attention (``kernels/cached_attention.cpp``: rotary
+    embedding, cache write and attention from the fused qkv), laid out once for every layer."""
+
+    kernels: Any
+    cos: torch.Tensor  # [B, T, D]
+    sin: torch.Tensor  # [B, T, D]
+    visible: torch.Tensor  # [B, T, S] bool, or NO_MASK: every query sees the batch's S rows
+
+    @classmethod
+    def for_step(cls, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 mask: torch.Tensor | None) -> CachedAttention | None:  # fmt: skip
+        """From the forward's ``cos, sin [B, 1, T, D]`` and ``mask [B, 1, T, S]``; None where the
+        kernel does not take ``x`` (not float32 on a CPU)."""
+        kernels = native_kernels(x)
+        if kernels is None:
+            return None
+        return cls(kernels, cos[:, 0], sin[:, 0], NO_MASK if mask is None else mask[:, 0])
+
+    def __call__(self, qkv: torch.Tensor, cache: KVCache, layer: int, batch: CacheBatch, heads: int,
+                 scale: float) -> torch.Tensor:  # fmt: skip
+        """``qkv [B, T, (H + 2 H_kv) D]`` of ``layer`` -> the attention output ``[B, T, H D]``."""
+        return self.kernels.cached_attention(qkv, self.cos, self.sin, cache.k[layer], cache.v[layer],
+                                             batch.slots, batch.starts, self.visible, batch.upto, heads,
+                                             scale)  # fmt: skip
 
 
 @cache

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from serve_app.engine.attention import NO_MASK, VALUE_CHUNK, grouped_attention, native_kernels
+from serve_app.engine.attention import VALUE_CHUNK, CachedAttention, grouped_attention, native_kernels
 from serve_app.engine.block_file import BLOCKS_FILE, blocks_path, read_blocks
 from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
@@ -123,18 +123,15 @@ class DecoderLayer:
         sin: torch.Tensor,
         mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = attend; None = all of the S rows
         causal: bool,
+        one_call: CachedAttention | None = None,  # the step's one-call attention, where it runs
     ) -> torch.Tensor:
         cfg = self.cfg
         bsz, steps, _ = x.shape
         h = _rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
         plans = self.plans
         qkv = linear(h, self.qkv, self.qkv_bias, plans["qkv"])  # [B, T, (H + 2 H_kv) D]
-        if steps <= SMALL_QUERY and (native := native_kernels(qkv)) is not None:
-            # rotation, cache write and attention in one call, the numbers of the ops below
-            visible = NO_MASK if mask is None else mask[:, 0]
-            attn = native.cached_attention(qkv, cos[:, 0], sin[:, 0], cache.k[index], cache.v[index],
-                                           batch.slots, batch.starts, visible, batch.upto, cfg.num_heads,
-                                           self.scale)  # fmt: skip  [B, T, H D]
+        if one_call is not None:  # rotation, cache write and attention: the numbers of the ops below
+            attn = one_call(qkv, cache, index, batch, cfg.num_heads, self.scale)  # [B, T, H D]
             return self._mlp(x + linear(attn, self.o, self.o_bias, plans["o"]))
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(bsz, steps, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [B, H, T, D]
@@ -313,8 +310,9 @@ class DecoderModel:
         cos, sin = self._rope(positions)
         mask, causal = self._attention_mask(batch, positions, block_mask)
         x = F.embedding(tokens, self.embed) if embeds is None else embeds
+        one_call = CachedAttention.for_step(x, cos, sin, mask) if steps <= SMALL_QUERY else None
         for i in range(self.cfg.num_layers) if layers is None else layers:
-            x = self.layers[i](x, i, cache, batch, cos, sin, mask, causal)
+            x = self.layers[i](x, i, cache, batch, cos, sin, mask, causal, one_call)
         return _rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     __call__ = forward

@@ -91,7 +91,9 @@ torch::Tensor cached_attention(const torch::Tensor& qkv, const torch::Tensor& co
   const bool* mp = masked ? vis.data_ptr<bool>() : nullptr;
   const int64_t vis_width = masked ? vis.size(2) : 0;
   // cache row i of KV head g in slot s
-  const auto row = [&](float* cache, int64_t s, int64_t g, int64_t i) { return cache + ((s * kv_heads + g) * max_len + i) * dim; };
+  const auto row = [&](float* cache, int64_t s, int64_t g, int64_t i) {
+    return cache + ((s * kv_heads + g) * max_len + i) * dim;
+  };
 
   // The new keys (rotated) and values first: every query of the step may attend to them.
   for (int64_t b = 0; b < bsz; ++b)
