@@ -29,6 +29,7 @@ from serve_app.engine.block_file import BLOCKS_FILE, blocks_path, read_blocks
 from serve_app.engine.decoder_config import DecoderConfig, rope_tables
 from serve_app.engine.invariance import RowPlan
 from serve_app.engine.kv_cache import CacheBatch, KVCache
+from serve_app.engine.native_layers import build_native_layers
 from serve_app.engine.packing import LayerPacker, model_packer
 from serve_app.engine.q8_weight import Q8Weight
 from serve_app.engine.quantized import PaddedInputs, QuantizedWeight
@@ -215,6 +216,11 @@ class DecoderModel:
         self.head_plan: RowPlan | None = None  # the output head's rows (engine.exactness sets it)
         self._cos, self._sin = (t.to(self.device) for t in rope_tables(hf_config, cfg.head_dim, 0))
         self._rope_len = 0
+        # Decode and verify steps run the layers in one native call where every product is in our
+        # kernels (engine.native_layers: the same numbers); False keeps the Python layers (A/B, tests).
+        self.native_steps = True
+        self._native: object | None = None  # built at the first step that can use it
+        self._native_built = False
 
     # ----------------------------------------------------------------------------- loading
     @classmethod
@@ -311,9 +317,22 @@ class DecoderModel:
         mask, causal = self._attention_mask(batch, positions, block_mask)
         x = F.embedding(tokens, self.embed) if embeds is None else embeds
         one_call = CachedAttention.for_step(x, cos, sin, mask) if steps <= SMALL_QUERY else None
-        for i in range(self.cfg.num_layers) if layers is None else layers:
-            x = self.layers[i](x, i, cache, batch, cos, sin, mask, causal, one_call)
+        which = range(self.cfg.num_layers) if layers is None else layers
+        if one_call is not None and (native := self._native_layers(one_call)) is not None:
+            x = native.run(x, list(which), cache.k, cache.v, one_call.cos, one_call.sin, one_call.visible,
+                           batch.upto, batch.slots, batch.starts)  # fmt: skip
+        else:
+            for i in which:
+                x = self.layers[i](x, i, cache, batch, cos, sin, mask, causal, one_call)
         return _rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def _native_layers(self, one_call: CachedAttention) -> object | None:
+        """The layers as one native object where every product is in our kernels (built once)."""
+        if not self.native_steps:
+            return None
+        if not self._native_built:
+            self._native, self._native_built = build_native_layers(self, one_call.kernels), True
+        return self._native
 
     __call__ = forward
 

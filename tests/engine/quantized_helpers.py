@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from serve_app.engine.kernels import kernels_module
 from serve_app.engine.params import SamplingParams, SpecOverride
+from serve_app.engine.q4k_weight import Q4KWeight
+from serve_app.engine.q6k_weight import Q6KWeight
 
 
 def require_built_kernels() -> None:
@@ -29,3 +32,15 @@ def assert_speculation_equals_plain(engine, tokenizer) -> None:
     for mode in ("ngram", "self"):
         for depth in (1, 4):
             assert [r.token_ids for r in engine.generate(prompts, params, SpecOverride(mode, depth))] == plain
+
+
+def q4k_m_blocks(hf: torch.nn.Module) -> dict[str, Q4KWeight | Q6KWeight]:
+    """A Q4_K_M file's mix for ``hf``: Q6_K for the down and v matrices and the head, Q4_K elsewhere."""
+    out: dict[str, Q4KWeight | Q6KWeight] = {}
+    for name, tensor in hf.state_dict().items():
+        if name.startswith("model.layers.") and tensor.dim() == 2:
+            six = "down_proj" in name or "v_proj" in name
+            out[name] = (Q6KWeight if six else Q4KWeight).quantize(tensor)
+    head = "lm_head.weight" if "lm_head.weight" in hf.state_dict() else "model.embed_tokens.weight"
+    out[head] = Q6KWeight.quantize(hf.state_dict()[head])
+    return out

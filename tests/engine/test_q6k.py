@@ -19,7 +19,11 @@ from serve_app.engine.q6k_weight import Q6KBlocks, Q6KWeight, pack_crumbs, unpac
 from serve_app.engine.quantized import RowStack, concat_rows
 from serve_app.engine.weights import linear, product_kind
 from tests.conftest import make_tiny_engine, make_tiny_hf_model
-from tests.engine.quantized_helpers import assert_speculation_equals_plain, require_built_kernels
+from tests.engine.quantized_helpers import (
+    assert_speculation_equals_plain,
+    q4k_m_blocks,
+    require_built_kernels,
+)
 
 require_built_kernels()
 
@@ -142,22 +146,10 @@ def test_concat_rows_stacks_q4k_and_q6k() -> None:
     assert torch.equal(linear(x, mixed), torch.cat([linear(x, q), linear(x, k), linear(x, v)], dim=-1))
 
 
-def gguf_blocks(hf: torch.nn.Module) -> dict[str, Q4KWeight | Q6KWeight]:
-    """A Q4_K_M file's mix for ``hf``: Q6_K for the down and v matrices and the head, Q4_K elsewhere."""
-    out: dict[str, Q4KWeight | Q6KWeight] = {}
-    for name, tensor in hf.state_dict().items():
-        if name.startswith("model.layers.") and tensor.dim() == 2:
-            six = "down_proj" in name or "v_proj" in name
-            out[name] = (Q6KWeight if six else Q4KWeight).quantize(tensor)
-    head = "lm_head.weight" if "lm_head.weight" in hf.state_dict() else "model.embed_tokens.weight"
-    out[head] = Q6KWeight.quantize(hf.state_dict()[head])
-    return out
-
-
 def test_a_target_with_q6k_matrices_is_exact_and_close_to_the_dense_one() -> None:
     hf = make_tiny_hf_model(300, layers=2, hidden=256)
     dense = DecoderModel.from_hf_model(hf)
-    gguf = DecoderModel.from_hf_model(hf, weight_format="gguf", blocks=gguf_blocks(hf))
+    gguf = DecoderModel.from_hf_model(hf, weight_format="gguf", blocks=q4k_m_blocks(hf))
     assert isinstance(gguf.layers[0].qkv, RowStack) and isinstance(gguf.lm_head, Q6KWeight)
     assert make_exact(gguf).exact
     tokens = torch.tensor([[5, 9, 11, 2, 7, 30, 42, 3]])
@@ -172,7 +164,7 @@ def test_a_target_with_q6k_matrices_is_exact_and_close_to_the_dense_one() -> Non
 
 def test_speculation_on_a_target_with_q6k_matrices_equals_its_plain_decoding(tiny_tokenizer) -> None:
     hf = make_tiny_hf_model(tiny_tokenizer.vocab_size, layers=2, hidden=256)
-    model = DecoderModel.from_hf_model(hf, weight_format="gguf", blocks=gguf_blocks(hf))
+    model = DecoderModel.from_hf_model(hf, weight_format="gguf", blocks=q4k_m_blocks(hf))
     assert isinstance(model.lm_head, Q6KWeight)
     engine = make_tiny_engine(model, tiny_tokenizer, proposers=["ngram", "self"], method="ngram")
     assert_speculation_equals_plain(engine, tiny_tokenizer)

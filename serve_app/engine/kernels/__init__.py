@@ -1,7 +1,8 @@
 """Our compiled kernels, built once by the install step: the Q8 product (``q8_linear.cpp``), the
 Q4_K and Q6_K products (``q4k_linear.cpp``, ``q6k_linear.cpp``), a layer's small float32 steps
 (``layer_ops.cpp``: RMS norm, the attention of few queries; ``cached_attention.cpp``: a step's rotary
-embedding, cache write and attention in one call), one Python module (``module.cpp``).
+embedding, cache write and attention in one call), a step's decoder layers in one call
+(``decoder_layers.cpp``), one Python module (``module.cpp``).
 
 ``serve_app.native_build`` compiles the C++ sources with torch's extension builder into
 ``_build/`` beside them (``make install`` runs it); this package only loads what was built, so the
@@ -29,6 +30,7 @@ SOURCES = tuple(
         "q6k_linear.cpp",
         "layer_ops.cpp",
         "cached_attention.cpp",
+        "decoder_layers.cpp",
         "module.cpp",
     )
 )

@@ -16,6 +16,7 @@ torch::Tensor cached_attention(const torch::Tensor& qkv, const torch::Tensor& co
                                torch::Tensor& k_cache, torch::Tensor& v_cache, const std::vector<int64_t>& slots,
                                const std::vector<int64_t>& starts, const torch::Tensor& visible, int64_t width,
                                int64_t heads, double scale);
+void bind_decoder_layers(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The products release the GIL, as torch's own ops do: a server's other Python threads (its event
@@ -34,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cached_attention", &cached_attention,
         "rotary embedding, KV cache write and attention of a step's queries from the fused qkv (float32)",
         py::call_guard<py::gil_scoped_release>());
+  bind_decoder_layers(m);
   m.def("vectorized", [] { return static_cast<bool>(SPECSERVE_AVX2); }, "whether the AVX2 kernels were compiled in");
   m.def("active_isa", [] { return std::string(specserve::active_isa()); },
         "the vector code the products run: amx, avx512, avx2 or scalar");
