@@ -138,7 +138,7 @@ def test_qwen_pair_is_exact_in_bf16(qwen_pair) -> None:
 @pytest.mark.slow
 def test_qwen_pair_on_the_packs_own_gguf_blocks_is_exact(qwen_pair) -> None:
     """What `specserve serve` runs by default here: the target on its GGUF blocks (Q4_K kept), the
-    draft on its own or, on an AVX2-only host, in Q4_K throughout (``draft_format_for``)."""
+    draft in Q4_K throughout (``draft_format_for``)."""
     target, draft = qwen_pair
     engine = load(target, {"draft": {"model_path": draft}, "ngram": {}}, depth=5, weights="auto")
     assert engine.config.weight_format == "gguf" and engine.exact

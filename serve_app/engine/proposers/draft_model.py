@@ -196,22 +196,20 @@ def frequent_token_ids(tokenizer: object, count: int) -> tuple[int, ...]:
 
 
 def draft_format_for(target_format: str, has_blocks: bool) -> str:
-    """The draft's weight format when its options say "target": the target's, where the draft's
-    folder can have it (gguf needs the pack's blocks; else q8), except on a host whose products run
-    the AVX2 path, where a gguf target gets a ``q4k`` draft. There a Qwen 0.5B draft's 896-wide
-    Q5_0 matrices cost 7 vector operations per 32 weights just to put their fifth bits together:
-    its ``q4k`` form (Q4_K, inputs padded to 1024) drafted a token in 18.0 ms against 23.9 and
-    prefilled 1.8x faster, and a depth-4 draft went from 1.05x to 1.12x plain on code and JSON
-    (BENCHMARKS.md, twenty-sixth session) for 4-6 points less acceptance. With AVX-512 the fifth
-    bits are a mask blend, and the twelfth session measured the two forms about even: the target's."""
-    from serve_app.engine.kernels import kernels_module
+    """The draft's weight format when its options say "target": the target's, except that a gguf
+    target's draft is ``q4k`` (Q4_K throughout: the pack's Q4_K blocks, its other matrices
+    re-quantized, inputs padded to 256s), or q8 where the draft's folder has no blocks.
 
+    A draft's numbers only decide what is proposed, and 4 bits read the fewest bytes. Measured
+    against the pack's own mix (Q5_0 / Q8_0 / Q6_K for a Qwen 0.5B) on the bench's prompts: on an
+    AVX2-only EPYC a draft token 18.0 ms against 23.9 (Q5_0's fifth bits cost 7 vector operations
+    per 32 weights there), depth 4 1.12x plain against 1.05x; on an AVX-512 EPYC 8.1 ms against 9.8,
+    depth 2 and 4 chains 1.04x faster end to end (BENCHMARKS.md, twenty-sixth and twenty-seventh
+    sessions), for 0-8 points less acceptance; on an Intel Xeon the twelfth session measured the
+    two about even."""
     if target_format != "gguf":
         return target_format
-    if not has_blocks:
-        return "q8"
-    kernels = kernels_module()
-    return "q4k" if kernels is not None and kernels.active_isa() == "avx2" else "gguf"
+    return "q4k" if has_blocks else "q8"
 
 
 def build_draft_proposer(context: ProposerContext) -> DraftModelProposer:
