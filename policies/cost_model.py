@@ -23,9 +23,12 @@ dear and avoids the cheap ones (the real load-1 runs of BENCHMARKS.md, "Speculat
 So ``fit`` also keeps, for each n the profile measured, the ratio measured / fitted (``shape``; 1
 where n was not profiled), and every prediction is multiplied by it. ``profile_plan`` measures
 every n of one row up to ``SMALL_N`` for that reason.
-Admitting a request to a proposer costs its prefill (``draft_prefill_time``: one draft forward per
-``PREFILL_CHUNK`` tokens of context), except for proposers marked ``no_prefill`` (they draft from
-state the target already holds, e.g. self-speculation in the target's own KV cache): 0.
+Admitting a request to a proposer costs its prefill (``draft_prefill_time``), except for proposers
+marked ``no_prefill`` (they draft from state the target already holds, e.g. self-speculation in the
+target's own KV cache): 0. The profile times each draft model's prefill of its context
+(``set_draft_prefill``: seconds per token, compute-bound: a 0.5B draft read 85 tokens in ~170 ms on
+an AVX-512 EPYC, 20 of its 8 ms draft steps); a proposer without that measure is charged one draft
+step per ``PREFILL_CHUNK`` tokens (the memory-bound guess, ~8x too cheap there).
 
 Online correction: each measurement moves a multiplicative factor geometrically towards
 measured / predicted, the ratio clipped to [1/2, 2] so one outlier (a GC pause, a neighbour's
@@ -47,7 +50,7 @@ from policies.base import Outcome
 TargetSample = tuple[int, int, int, float]  # rows, tokens_per_row, context, seconds
 DraftSample = tuple[int, int, float]  # rows, context, seconds
 KNEE_CANDIDATES = (4, 6, 8, 12, 16, 24, 32, 48, 64)
-PREFILL_CHUNK = 64  # a prefill costs about one memory-bound forward per this many tokens
+PREFILL_CHUNK = 64  # unprofiled: a prefill costs one draft step per this many tokens
 ALPHA = 0.1  # online step (in log space) per measurement
 CLIP = 2.0  # a measurement's ratio to the prediction is clipped to [1/CLIP, CLIP]
 FACTOR_BOUNDS = (0.1, 10.0)
@@ -55,7 +58,9 @@ BUCKETS = 8  # draft: log2 buckets of rows
 SMALL_N = 16  # target: each n <= SMALL_N its own bucket, then LOG_N log2 buckets:
 LOG_N = 4  # 17-32, 33-64, 65-128, above
 TARGET_BUCKETS = SMALL_N + LOG_N
-VERSION = 3  # 3: the draft-step coefficients under "draft_steps" (2 said "draft"); older: profile again
+# 4: the measured draft prefill ("draft_prefill"); 3: the draft-step coefficients under "draft_steps"
+# (2 said "draft"); older: profile again
+VERSION = 4
 # Used until ``fit`` runs: the fit of the Qwen2.5-Coder-1.5B bf16 forwards measured at ctx 200 on
 # this machine (above), c3 from bandwidth: 28 KB of KV per token of context per row at ~23 GB/s.
 DEFAULT_TARGET = (0.1313, 0.0053, 0.0, 1.2e-6)
@@ -124,6 +129,7 @@ class FittedCostModel:
         draft: Mapping[str, Sequence[float]] | None = None,
         no_prefill: Iterable[str] = (),
         shape: Mapping[int, float] | None = None,
+        draft_prefill: Mapping[str, float] | None = None,
     ) -> None:
         self.target = tuple(float(c) for c in target)  # c0, c1, c2, c3
         self.knee = int(knee)
@@ -131,6 +137,8 @@ class FittedCostModel:
         self.shape = {int(n): float(f) for n, f in (shape or {}).items()}
         self.draft = {name: tuple(float(c) for c in coef) for name, coef in (draft or {}).items()}
         self.no_prefill: set[str] = set(no_prefill)  # proposers whose admission costs nothing
+        # proposer -> measured seconds per context token of its prefill (set_draft_prefill)
+        self.draft_prefill = {name: float(v) for name, v in (draft_prefill or {}).items()}
         self.reset_corrections()
 
     def reset_corrections(self) -> None:
@@ -178,12 +186,23 @@ class FittedCostModel:
         """``proposer`` needs no prefill to start drafting for a request (``draft_prefill_time`` 0)."""
         self.no_prefill.add(proposer)
 
+    def set_draft_prefill(self, proposer: str, tokens: int, seconds: float) -> None:
+        """``proposer`` read ``tokens`` of context in ``seconds`` (the profile's timed prefill)."""
+        if tokens > 0 and seconds > 0:
+            self.draft_prefill[proposer] = seconds / tokens
+
     def draft_prefill_time(self, proposer: str, tokens: int) -> float:
-        """Admitting a request: the proposer reads ``tokens`` of context, one forward per chunk
-        (0 for a proposer marked ``no_prefill``)."""
+        """The proposer reads ``tokens`` of context (admitting a request, or catching up after steps
+        it did not draft): the measured rate, never below one draft step, moved by the proposer's
+        online factor; unmeasured, one draft step per ``PREFILL_CHUNK`` tokens; 0 for ``no_prefill``."""
         if proposer in self.no_prefill:
             return 0.0
-        return self.draft_time(proposer, 1, tokens) * math.ceil(max(0, tokens) / PREFILL_CHUNK)
+        step = self.draft_time(proposer, 1, tokens)
+        per_token = self.draft_prefill.get(proposer)
+        if per_token is None:
+            return step * math.ceil(max(0, tokens) / PREFILL_CHUNK)
+        factor = self.draft_factor.get(proposer, [1.0])[0]
+        return max(step, per_token * max(0, tokens) * factor)
 
     # ------------------------------------------------------------------------------------- fit
     def fit(self, samples: Sequence[TargetSample]) -> FittedCostModel:
@@ -312,6 +331,7 @@ class FittedCostModel:
             "shape": {str(n): f for n, f in sorted(self.shape.items())},
             "draft_steps": {name: list(coef) for name, coef in self.draft.items()},
             "no_prefill": sorted(self.no_prefill),
+            "draft_prefill": dict(sorted(self.draft_prefill.items())),
             "target_factor": [self.target_factor[0], list(self.target_factor[1])],
             "draft_factor": {name: [f[0], list(f[1])] for name, f in self.draft_factor.items()},
         }
@@ -325,7 +345,8 @@ class FittedCostModel:
             raise ValueError(f"unsupported cost model version {version!r} (this is {VERSION})")
         shape = {int(n): float(f) for n, f in data.get("shape", {}).items()}
         drafts = data.get("draft_steps", {})
-        model = cls(data["target"], data["knee"], drafts, data.get("no_prefill", ()), shape)
+        model = cls(data["target"], data["knee"], drafts, data.get("no_prefill", ()), shape,
+                    data.get("draft_prefill", {}))  # fmt: skip
         if "target_factor" in data:
             g, buckets = data["target_factor"]
             if len(buckets) == TARGET_BUCKETS:

@@ -1,7 +1,8 @@
 """Profile the cost model on the real models when an engine starts (Qwen pair, 8 slots, 2 cores: ~16 s).
 
 Times target forwards over the shapes of ``policies.cost_model.profile_plan()`` (rows x tokens per
-row, at one context) and single-token draft steps of every model-based proposer, using the
+row, at one context), single-token draft steps of every model-based proposer and its prefill of
+that context (a request's admission to it), using the
 engine's free KV slots (nothing is kept: cache lengths are never advanced), and fits a
 ``FittedCostModel``. Shapes with more rows than free slots are skipped.
 
@@ -74,8 +75,11 @@ def profile_cost_model(
     for name, (model, cache) in drafts.items():
         draft_slots = [cache.allocate() for _ in range(cache.num_free)]
         try:
+            prefills = []  # each slot's prefill, timed: what admitting a request costs the proposer
             for slot in draft_slots:
+                start = time.perf_counter()
                 model.forward(prefill, cache, [slot])
+                prefills.append(time.perf_counter() - start)
                 cache.set_length(slot, context)
             counts = [rows for rows in draft_profile_plan() if rows <= len(draft_slots)]
             seconds = _median_seconds_in_rounds(
@@ -87,4 +91,6 @@ def profile_cost_model(
                 cache.free(slot)
         if timed:
             cost.fit_draft(name, timed)
+        if prefills:  # the median: the first is a cold call
+            cost.set_draft_prefill(name, context, sorted(prefills)[(len(prefills) - 1) // 2])
     return cost

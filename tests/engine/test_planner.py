@@ -91,6 +91,7 @@ def test_profiled_cost_model_and_shared_priors(target_hf, tiny_tokenizer, prompt
     cost = engine.profile_cost_model(repeats=1)
     assert isinstance(cost, FittedCostModel) and engine.planner.cost is cost
     assert cost.target_time(1, 1, 64) > 0 and cost.draft_time("draft", 1, 64) > 0
+    assert cost.draft_prefill["draft"] > 0  # its prefill was timed: admission priced by measurement
     assert engine.cache.num_free == 4 and engine.proposers["draft"].cache.num_free == 4
     engine.generate(prompts, GREEDY)
     # The self-draft accepts everything: the shared statistics say so, per workload class.

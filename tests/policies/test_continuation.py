@@ -112,7 +112,7 @@ def test_goodput_plans_deeper_caps_for_a_draft_that_stops_and_picks_the_best_of_
     stopping = replace(base, continuation={"draft": going_on})
     policy = GoodputPolicy(16)
     (fixed,) = policy.decide(step([base], proposers=("draft",), max_depth=16))
-    policy.admitted.add(("r0", "draft"))
+    policy.read[("r0", "draft")] = base.context_len  # it has read the request: no prefill to pay
     view = step([stopping], proposers=("draft",), max_depth=16)
     (chosen,) = policy.decide(view)
     assert chosen.proposer == "draft" and chosen.depth > fixed.depth

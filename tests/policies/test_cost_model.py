@@ -187,7 +187,27 @@ def test_online_correction_learns_each_small_width_on_its_own():
     assert model.target_time(1, 5, 200) / five == pytest.approx(model.target_factor[0], rel=1e-9)
 
 
+def test_a_measured_draft_prefill_prices_admission_and_catching_up():
+    model = FittedCostModel(draft={"draft": (0.008, 0.0, 0.0)}).fit(samples())
+    # unmeasured: one draft step per 64 tokens (85 tokens: 2 steps)
+    assert model.draft_prefill_time("draft", 85) == pytest.approx(0.016)
+    model.set_draft_prefill("draft", 128, 0.256)  # 2 ms a token, what the profile timed
+    assert model.draft_prefill_time("draft", 85) == pytest.approx(0.170)
+    assert model.draft_prefill_time("draft", 2) == pytest.approx(0.008)  # never below one draft step
+    for _ in range(50):  # the machine got slower: the proposer's online factor moves its prefill too
+        model.observe_draft("draft", 1, 100, 0.016)
+    assert model.draft_prefill_time("draft", 85) == pytest.approx(0.340, rel=0.05)
+    copy = FittedCostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert copy.draft_prefill_time("draft", 85) == model.draft_prefill_time("draft", 85)
+    model.mark_no_prefill("draft")
+    assert model.draft_prefill_time("draft", 85) == 0.0
+
+
 def test_an_older_version_is_refused_so_a_replica_profiles_again():
+    target = [0.13, 0.005, 0.0, 1e-6]
+    old = {"version": 3, "knee": 4, "target": target, "draft_steps": {"d": [0.03, 0.0, 0.0]}}
+    with pytest.raises(ValueError, match="version 3"):
+        FittedCostModel.from_dict(old)
     old = {"version": 2, "knee": 4, "target": [0.13, 0.005, 0.0, 1e-6], "draft": {"d": [0.03, 0.0, 0.0]}}
     with pytest.raises(ValueError, match="version 2"):
         FittedCostModel.from_dict(old)

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from policies import Decision, PolicyConfig, create_policy
-from policies.goodput import GoodputPolicy, expected_tokens, prefill_seconds
+from policies.goodput import GoodputPolicy, catch_up_seconds, expected_tokens, prefill_seconds
 from tests.policies.helpers import batch, outcome, qwen_cpu_cost, request, step
 
 
@@ -103,7 +103,29 @@ def test_a_request_that_already_paid_the_prefill_speculates_again():
     policy.observe(outcome([Decision("draft", 4)], view, [4]))  # e.g. a forced step used it
     assert policy.decide(view)[0].proposer == "draft"
     policy.decide(step([request("other")]))  # r0 finished: its state goes
-    assert policy.admitted == set()
+    assert policy.read == {}
+
+
+def test_a_draft_that_sat_out_many_steps_pays_for_the_tokens_it_missed():
+    """After 300 plain steps the draft model's cache is 300 tokens behind: with 6 tokens left, reading
+    them (a measured 2 ms a token) costs more than drafting saves; one token behind is free."""
+    cost = qwen_cpu_cost()
+    cost.set_draft_prefill("draft", 128, 0.256)
+    policy = goodput()
+    only_draft = {"proposers": ("draft",)}
+    first = step([request(draft=0.8, prompt=20, left=200)], cost=cost, **only_draft)
+    (decision,) = policy.decide(first)
+    assert decision.proposer == "draft"
+    policy.observe(outcome([decision], first, [decision.depth]))
+    caught_up = first.requests[0].context_len + decision.depth  # accepted all: the bonus token is next
+    behind = request(draft=0.8, prompt=20, generated=caught_up - 20 + 300, left=6)
+    later = step([behind], cost=cost, **only_draft)
+    assert policy.decide(later) == [Decision.plain()]
+    assert catch_up_seconds(cost, "draft", 300) == pytest.approx(0.600 - 0.036)
+    assert catch_up_seconds(cost, "draft", 1) == 0.0
+    level = request(draft=0.8, prompt=20, generated=caught_up - 20 + 1, left=6)
+    near = step([level], cost=cost, **only_draft)
+    assert policy.decide(near)[0].proposer == "draft"
 
 
 def test_prefill_falls_back_to_the_documented_formula():
