@@ -21,8 +21,9 @@ from functools import partial
 import torch
 
 from serve_app.engine.attention import grouped_attention
+from serve_app.engine.decoder_layer import ATTENTION, PRODUCTS
 from serve_app.engine.invariance import PROBE_ELEMENTS, RowPlan, attention_agrees, probe_rows
-from serve_app.engine.model import ATTENTION, PRODUCTS, DecoderModel
+from serve_app.engine.model import DecoderModel
 from serve_app.engine.weights import Weight, linear, product_kind
 
 log = logging.getLogger(__name__)

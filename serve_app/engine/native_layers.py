@@ -14,17 +14,17 @@ keeps the Python layers all the same.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from serve_app.engine.decoder_config import DecoderConfig
+from serve_app.engine.decoder_layer import PRODUCTS, DecoderLayer
 from serve_app.engine.q4k_weight import Q4KWeight
 from serve_app.engine.q6k_weight import Q6KWeight
 from serve_app.engine.q8_weight import Q5Weight, Q8Weight
 from serve_app.engine.quantized import PaddedInputs, RowStack
-
-if TYPE_CHECKING:
-    from serve_app.engine.model import DecoderModel
 
 # The part kinds of kernels/decoder_layers.cpp (its enum Kind), by weight class.
 PART_KINDS: dict[type, int] = {Q8Weight: 0, Q5Weight: 1, Q4KWeight: 2, Q6KWeight: 3}
@@ -46,16 +46,16 @@ def product_parts(weight: object) -> list[PartSpec] | None:
     return specs
 
 
-def build_native_layers(model: DecoderModel, kernels: Any) -> Any | None:
-    """``kernels.DecoderLayers`` holding ``model``'s layers, or None where one of its products is not
-    in our kernels' formats (or the activations are not float32 on a CPU)."""
-    from serve_app.engine.model import PRODUCTS  # (model imports this module)
-
-    if model.dtype != torch.float32 or model.device.type != "cpu" or not hasattr(kernels, "DecoderLayers"):
+def build_native_layers(
+    layers: Sequence[DecoderLayer], cfg: DecoderConfig, embed: torch.Tensor, kernels: Any
+) -> Any | None:
+    """``kernels.DecoderLayers`` holding a model's ``layers``, or None where one of their products is
+    not in our kernels' formats (or the activations, the dtype and device of the model's embedding
+    table ``embed``, are not float32 on a CPU)."""
+    if embed.dtype != torch.float32 or embed.device.type != "cpu" or not hasattr(kernels, "DecoderLayers"):
         return None
-    cfg = model.cfg
-    native = kernels.DecoderLayers(cfg.num_heads, model.layers[0].scale, cfg.rms_norm_eps)
-    for layer in model.layers:
+    native = kernels.DecoderLayers(cfg.num_heads, layers[0].scale, cfg.rms_norm_eps)
+    for layer in layers:
         products = [product_parts(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if any(p is None for p in products) or layer.attn_norm.dtype != torch.float32:
             return None

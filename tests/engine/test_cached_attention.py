@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from serve_app.engine.attention import NO_MASK, grouped_attention
+from serve_app.engine.decoder_layer import rotate
 from serve_app.engine.kernels import kernels_module
 from serve_app.engine.kv_cache import KVCache
-from serve_app.engine.model import _rotate
 from tests.engine.quantized_helpers import require_built_kernels
 
 require_built_kernels()
@@ -27,7 +27,7 @@ def torch_form(qkv, cos, sin, cache: KVCache, slots, steps, mask):
     q = q.view(bsz, steps, HEADS, DIM).transpose(1, 2)
     k = k.view(bsz, steps, KV_HEADS, DIM).transpose(1, 2)
     v = v.view(bsz, steps, KV_HEADS, DIM).transpose(1, 2)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     cache.write(0, batch, k, v)
     keys, values = cache.read(0, batch)
     attn = grouped_attention(q, keys, values, mask, 1 / math.sqrt(DIM), width=batch.upto)
