@@ -8,6 +8,7 @@ import pytest
 
 import policies
 from policies import PolicyConfig, create_policy
+from policies.cost_model import FittedCostModel
 from policies.simulate import Phase, Trace, replay, simulate, simulate_mix
 from policies.traces import RecordedTrace, StepRecord, TraceSet, acceptance_priors, matches_from_steps
 from tests.policies.helpers import qwen_cpu_cost
@@ -113,6 +114,8 @@ def test_the_shipped_qwen_traces_cover_every_kind_and_proposer():
     assert all({"draft", "ngram"} <= set(t.matches) for t in traces.traces)
     assert all(len(m) == t.output_len for t in traces.traces for m in t.matches.values())
     assert traces.cost_model["target"][0] > 0 and "draft" in traces.cost_model["draft_steps"]
+    # the recorded cost model is in this version's layout (`specserve bench --policies` replays it)
+    assert FittedCostModel.from_dict(traces.cost_model).draft_time("draft", 1, 100) > 0
 
     # the draft model agrees with the target far more on code than on prose
     def mean_match(kind: str) -> float:

@@ -200,7 +200,7 @@ register_proposer(
     # the shipped Qwen traces (policies/traces, all workloads; tests/engine/test_registry.py checks
     # it). A lookup without a match is never asked to draft (lookahead), so this is what the
     # estimator learns; the generic default of 0.7 from position 0 is too high for a copied token.
-    cold_acceptance=(0.63, 0.74, 0.82, 0.82, 0.82, 0.82, 0.81),
+    cold_acceptance=(0.63, 0.73, 0.78, 0.80, 0.80, 0.81, 0.82),
     always_load=True,
 )("serve_app.engine.proposers.ngram:build_ngram_proposer")
 
