@@ -194,9 +194,11 @@ def test_a_measured_draft_prefill_prices_admission_and_catching_up():
     model.set_draft_prefill("draft", 128, 0.256)  # 2 ms a token, what the profile timed
     assert model.draft_prefill_time("draft", 85) == pytest.approx(0.170)
     assert model.draft_prefill_time("draft", 2) == pytest.approx(0.008)  # never below one draft step
-    for _ in range(50):  # the machine got slower: the proposer's online factor moves its prefill too
+    for _ in range(50):  # real steps cost twice the profile's: that moves the steps, not the prefill
         model.observe_draft("draft", 1, 100, 0.016)
-    assert model.draft_prefill_time("draft", 85) == pytest.approx(0.340, rel=0.05)
+    assert model.draft_time("draft", 1, 100) == pytest.approx(0.016, rel=0.05)
+    assert model.draft_prefill_time("draft", 85) == pytest.approx(0.170)
+    assert model.draft_prefill_time("draft", 2) == pytest.approx(model.draft_time("draft", 1, 2))
     copy = FittedCostModel.from_dict(json.loads(json.dumps(model.to_dict())))
     assert copy.draft_prefill_time("draft", 85) == model.draft_prefill_time("draft", 85)
     model.mark_no_prefill("draft")
