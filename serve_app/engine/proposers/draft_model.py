@@ -203,9 +203,10 @@ def draft_format_for(target_format: str, has_blocks: bool) -> str:
     A draft's numbers only decide what is proposed, and 4 bits read the fewest bytes. Measured
     against the pack's own mix (Q5_0 / Q8_0 / Q6_K for a Qwen 0.5B) on the bench's prompts: on an
     AVX2-only EPYC a draft token 18.0 ms against 23.9 (Q5_0's fifth bits cost 7 vector operations
-    per 32 weights there), depth 4 1.12x plain against 1.05x; on an AVX-512 EPYC 8.1 ms against 9.8,
-    depth 2 and 4 chains 1.04x faster end to end (BENCHMARKS.md, twenty-sixth and twenty-seventh
-    sessions), for 0-8 points less acceptance; on an Intel Xeon the twelfth session measured the
+    per 32 weights there), depth 4 1.12x plain against 1.05x; on an AVX-512 EPYC 8.1 ms against 9.8 in
+    one session (depth 2 and 4 chains 1.04x faster end to end), 10.15 against 12.07 in the next
+    (BENCHMARKS.md, twenty-sixth, and twenty-seventh and twenty-eighth sessions), for 0-8 points less
+    acceptance; on an Intel Xeon the twelfth session measured the
     two about even."""
     if target_format != "gguf":
         return target_format
