@@ -89,7 +89,11 @@ class AsyncEngine:
         tracer: Any = None,
         stuck_after_s: float = STUCK_AFTER_S,
         threads: int | None = None,
+        stream_interval: int = 1,
     ) -> None:
+        if stream_interval < 1:  # tokens a chunk holds at least (server.stream_interval)
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         build = engine if callable(engine) else None
         self.engine: SpecEngine = None if build else engine  # type: ignore[assignment]
         self.model_name = model_name
@@ -140,22 +144,18 @@ class AsyncEngine:
         try:
             while not finished:
                 try:
-                    # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
-                    # that races with the item arriving, and the consumer would then not abort.
-                    async with asyncio.timeout_at(deadline):
-                        item = await stream.queue.get()
+                    items = await stream.receive(deadline, self.stream_interval)
                 except TimeoutError:
                     finished = True  # the abort goes out now, not from `finally`
                     stream.cancelled = True
                     self._submit("abort", request.request_id)
                     message = f"the request did not finish within {self.request_timeout_s:g} s"
                     error = GenerateError(message=message, type="timeout_error", code="timeout", status=504)
+                    for chunk in merge_chunks(request.request_id, stream.held, trace):  # held tokens first
+                        yield chunk
                     trace.close("timeout", error)
                     yield GenerateChunk(request.request_id, finished=True, error=error)
                     return
-                items = [item]
-                while not stream.queue.empty():  # coalesce what piled up while the consumer was busy
-                    items.append(stream.queue.get_nowait())
                 for chunk in merge_chunks(request.request_id, items, trace):
                     finished = chunk.finished
                     yield chunk

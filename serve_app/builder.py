@@ -196,6 +196,7 @@ def build_async_engine(settings: Settings, metrics_backend: str = "ray", tracer:
             max_tokens_limit=settings.server.max_tokens_limit,
             default_max_tokens=settings.sampling.max_tokens,
             request_timeout_s=settings.server.request_timeout_s,
+            stream_interval=settings.server.stream_interval,
             metrics=EngineMetrics(name, backend=metrics_backend, replica=replica),
             tracer=tracer,
             threads=threads,

@@ -47,6 +47,23 @@ class RequestStream:
     first_output: float | None = None  # loop thread: when the first output was made
     last_output: float | None = None  # loop thread: when the latest output was made
     cancelled: bool = False  # consumer: gone; the loop thread skips or aborts it
+    held: list[StepOutput | GenerateError] = field(default_factory=list)  # consumer: for stream_interval
+    sent: bool = False  # consumer: a chunk went out
+
+    async def receive(self, deadline: float, interval: int = 1) -> list[StepOutput | GenerateError]:
+        """The consumer's next items for a chunk: what piled up in the queue, held until they make
+        ``interval`` tokens (``server.stream_interval``) unless they end the stream or are the first.
+        ``TimeoutError`` at ``deadline`` (the loop's clock); ``held`` then keeps what was held."""
+        while True:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
+            # races with the item arriving, and the consumer would then not abort.
+            async with asyncio.timeout_at(deadline):
+                self.held.append(await self.queue.get())
+            while not self.queue.empty():  # coalesce what piled up while the consumer was busy
+                self.held.append(self.queue.get_nowait())
+            if not self.sent or _makes_a_chunk(self.held, interval):
+                items, self.held, self.sent = self.held, [], True
+                return items
 
     def timings(self, completion_tokens: int, now: float) -> RequestTimings:
         """The request's latencies, finishing at ``now`` (perf_counter seconds), where known."""
@@ -69,6 +86,16 @@ class RequestStream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
             self.cancelled = True
+
+
+def _makes_a_chunk(items: list[StepOutput | GenerateError], interval: int) -> bool:
+    """``interval`` tokens, or the stream's end (an error, the last output)."""
+    tokens = 0
+    for item in items:
+        if isinstance(item, GenerateError) or item.output.finished:
+            return True
+        tokens += len(item.output.new_token_ids)
+    return tokens >= interval
 
 
 def merge_chunks(

@@ -33,6 +33,13 @@ class ServerSettings(_Section):
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request still running after this is aborted."
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="Tokens a streamed chunk holds at least (vLLM's and SGLang's --stream-interval): 1 sends "
+        "each step's tokens at once; more send fewer chunks, each a message through the ingress and Serve's "
+        "proxy (CPU a small host's forward shares). The first chunk and the last are never held.",
+    )
     tool_call_parser: str = Field(
         "hermes",
         description="How the model writes tool calls, read back into OpenAI's tool_calls (and written into "
