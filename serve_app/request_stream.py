@@ -61,7 +61,7 @@ class RequestStream:
                 self.held.append(await self.queue.get())
             while not self.queue.empty():  # coalesce what piled up while the consumer was busy
                 self.held.append(self.queue.get_nowait())
-            if not self.sent or _makes_a_chunk(self.held, interval):
+            if interval <= 1 or not self.sent or _makes_a_chunk(self.held, interval):
                 items, self.held, self.sent = self.held, [], True
                 return items
 

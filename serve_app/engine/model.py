@@ -221,7 +221,7 @@ class DecoderModel:
         if not self.native_steps:
             return None
         if not self._native_built:
-            self._native = build_native_layers(self.layers, self.cfg, self.embed, one_call.kernels)
+            self._native = build_native_layers(self.layers, one_call.kernels)
             self._native_built = True
         return self._native
 

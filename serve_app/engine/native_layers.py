@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from serve_app.engine.decoder_config import DecoderConfig
 from serve_app.engine.decoder_layer import PRODUCTS, DecoderLayer
 from serve_app.engine.q4k_weight import Q4KWeight
 from serve_app.engine.q6k_weight import Q6KWeight
@@ -46,14 +45,14 @@ def product_parts(weight: object) -> list[PartSpec] | None:
     return specs
 
 
-def build_native_layers(
-    layers: Sequence[DecoderLayer], cfg: DecoderConfig, embed: torch.Tensor, kernels: Any
-) -> Any | None:
+def build_native_layers(layers: Sequence[DecoderLayer], kernels: Any) -> Any | None:
     """``kernels.DecoderLayers`` holding a model's ``layers``, or None where one of their products is
-    not in our kernels' formats (or the activations, the dtype and device of the model's embedding
-    table ``embed``, are not float32 on a CPU)."""
-    if embed.dtype != torch.float32 or embed.device.type != "cpu" or not hasattr(kernels, "DecoderLayers"):
+    not in our kernels' formats (or the model, whose dtype and device its norms carry, is not float32
+    on a CPU)."""
+    norm = layers[0].attn_norm
+    if norm.dtype != torch.float32 or norm.device.type != "cpu" or not hasattr(kernels, "DecoderLayers"):
         return None
+    cfg = layers[0].cfg
     native = kernels.DecoderLayers(cfg.num_heads, layers[0].scale, cfg.rms_norm_eps)
     for layer in layers:
         products = [product_parts(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]

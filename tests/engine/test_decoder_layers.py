@@ -19,11 +19,6 @@ require_built_kernels()
 VOCAB = 300
 
 
-def layers_of(model: DecoderModel) -> tuple:
-    """``build_native_layers``' first arguments, taken from ``model``."""
-    return model.layers, model.cfg, model.embed
-
-
 def steps(model: DecoderModel) -> list[torch.Tensor]:
     """Hidden states and cache rows of the steps a server runs: one decode token, a 5-token verify, a
     batch of two rows at other lengths, a token tree (positions by depth, ancestor mask), a subset of
@@ -50,7 +45,7 @@ def steps(model: DecoderModel) -> list[torch.Tensor]:
 
 
 def assert_native_equals_python(model: DecoderModel) -> None:
-    assert build_native_layers(*layers_of(model), kernels_module()) is not None
+    assert build_native_layers(model.layers, kernels_module()) is not None
     native = steps(model)
     assert model._native is not None  # the steps ran the native layers
     model.native_steps = False
@@ -80,9 +75,9 @@ def test_q8_and_padded_q4k_matrices_run_the_numbers_of_their_python_layers() -> 
 def test_other_models_keep_the_python_layers() -> None:
     hf = make_tiny_hf_model(VOCAB, layers=2, hidden=64)
     kernels = kernels_module()
-    assert build_native_layers(*layers_of(DecoderModel.from_hf_model(hf)), kernels) is None  # dense matrices
+    assert build_native_layers(DecoderModel.from_hf_model(hf).layers, kernels) is None  # dense matrices
     bf16 = DecoderModel.from_hf_model(hf, torch.bfloat16, weight_format="q8")
-    assert build_native_layers(*layers_of(bf16), kernels) is None
+    assert build_native_layers(bf16.layers, kernels) is None
     model = DecoderModel.from_hf_model(hf, weight_format="q8")
     model.native_steps = False
     cache = model.new_cache(1, 16)
@@ -93,7 +88,7 @@ def test_other_models_keep_the_python_layers() -> None:
 def test_a_step_with_the_wrong_caches_is_refused_by_name() -> None:
     hf = make_tiny_hf_model(VOCAB, layers=2, hidden=64)
     model = DecoderModel.from_hf_model(hf, weight_format="q8")
-    native = build_native_layers(*layers_of(model), kernels_module())
+    native = build_native_layers(model.layers, kernels_module())
     assert len(native) == 2
     cache = model.new_cache(1, 16)
     x = torch.zeros(1, 1, 64)
