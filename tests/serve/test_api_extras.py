@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from serve_app.api import create_app
 from serve_app.config import ServerSettings
-from tests.serve.test_api import CHAT, COMPLETION, MODEL, FakeEngine, assert_error, engine, http
+from tests.serve.fake_engine import CHAT, COMPLETION, MODEL, FakeEngine, assert_error, engine, http
 
 __all__ = ["engine", "http"]  # fixtures used below
 

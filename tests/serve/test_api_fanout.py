@@ -18,7 +18,7 @@ from serve_app.api.fanout import derived_seed, merge_speculation
 from serve_app.api.protocol import SpeculationInfo
 from serve_app.config import ServerSettings
 from serve_app.wire import GenerateChunk, GenerateError, GenerateRequest
-from tests.serve.test_api import CHAT, COMPLETION, SPEC, FakeEngine, assert_error, sse
+from tests.serve.fake_engine import CHAT, COMPLETION, SPEC, FakeEngine, assert_error, sse
 
 
 class ChoiceEngine(FakeEngine):

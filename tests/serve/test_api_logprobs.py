@@ -25,7 +25,7 @@ from serve_app.config import ServerSettings
 from serve_app.engine.token_logprobs import LogprobRun
 from serve_app.wire import GenerateChunk
 from tests.conftest import make_tiny_engine, make_tiny_hf_model
-from tests.serve.test_api import CHAT, COMPLETION, SPEC, FakeEngine, engine, http, sse
+from tests.serve.fake_engine import CHAT, COMPLETION, SPEC, FakeEngine, engine, http, sse
 
 __all__ = ["engine", "http"]  # fixtures used below
 

@@ -20,7 +20,7 @@ from serve_app.api.forced_tool_calls import call_schema, forced_output
 from serve_app.api.tool_calls import HERMES
 from serve_app.config import ServerSettings
 from serve_app.wire import EngineInfo
-from tests.serve.test_api import MODEL, FakeEngine, script
+from tests.serve.fake_engine import MODEL, FakeEngine, script
 from tests.serve.test_api_logprobs import CHAT_CONTENT, logprob_chunks
 
 WEATHER_TOOL = {
