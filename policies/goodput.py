@@ -241,11 +241,10 @@ class GoodputPolicy:
     ) -> None:
         """``margin``: how much the best plan must beat all-plain by. ``depth_slack``: for a draft
         that may stop early, a deeper cap must beat a shallower one by more than this share of the
-        objective. Where a draft stops at
-        its first unsure token the objective is nearly flat in the cap beyond the expected stop,
-        and the deepest cap then won on rounding; but a draft that goes on longer than the
-        continuation estimate says pays for every extra draft step and verified row (measured on a
-        prose prompt on an Intel Xeon: caps of 16 where depth 1 paid, 0.98x plain)."""
+        objective. Beyond such a draft's expected stop the objective is nearly flat in the cap, and
+        the deepest cap then won on rounding; but a draft that goes on longer than the continuation
+        estimate says pays for every extra draft step and verified row (measured on a prose prompt
+        on an Intel Xeon: caps of 16 where depth 1 paid, 0.98x plain)."""
         self.max_depth = max_depth
         self.default_acceptance = default_acceptance
         self.margin = margin
@@ -302,9 +301,7 @@ class GoodputPolicy:
         return best.choices
 
     @staticmethod
-    def _refine(
-        s: _Step, plan: _Plan, slack: float = 0.0, stopping: frozenset[str] | set[str] = frozenset()
-    ) -> None:
+    def _refine(s: _Step, plan: _Plan, slack: float, stopping: set[str]) -> None:
         """Search step 2: move single requests while it improves, then give each proposer its best
         depth; a proposer in ``stopping`` (drafts that may end early) the shallowest depth whose
         plan is within ``slack`` (relative) of that."""

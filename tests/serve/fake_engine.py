@@ -4,12 +4,18 @@ with the fixtures and assertions those tests share."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import openai
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from serve_app.api import create_app
@@ -131,3 +137,26 @@ def assert_error(
         assert error["code"] == code
     assert "Traceback" not in response.text and "secret" not in response.text
     return error
+
+
+@contextlib.contextmanager
+def serving(app: Any, api_key: str = "x") -> Iterator[openai.OpenAI]:
+    """``app`` under a real uvicorn server on a free loopback port, in a thread; the official
+    client pointed at it (no retries). The server stops when the block ends."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.started
+    try:
+        yield openai.OpenAI(
+            base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key=api_key, max_retries=0
+        )
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        sock.close()

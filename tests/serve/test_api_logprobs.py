@@ -8,15 +8,11 @@ real (tiny) engine: the values with speculation on equal those with it off, stre
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from serve_app.api import create_app
@@ -25,7 +21,7 @@ from serve_app.config import ServerSettings
 from serve_app.engine.token_logprobs import LogprobRun
 from serve_app.wire import GenerateChunk
 from tests.conftest import make_tiny_engine, make_tiny_hf_model
-from tests.serve.fake_engine import CHAT, COMPLETION, SPEC, FakeEngine, engine, http, sse
+from tests.serve.fake_engine import CHAT, COMPLETION, SPEC, FakeEngine, engine, http, serving, sse
 
 __all__ = ["engine", "http"]  # fixtures used below
 
@@ -177,21 +173,8 @@ def tiny_client(tiny_tokenizer) -> Iterator[openai.OpenAI]:
     engine = make_tiny_engine(target, tiny_tokenizer, proposers=proposers, method="draft", policy="static",
                               max_depth=8, self_skip=[1], max_seq_len=256)  # fmt: skip
     async_engine = AsyncEngine(engine, model_name="tiny")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(
-        uvicorn.Config(create_app(async_engine, ServerSettings()), log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert srv.started
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0)
-    srv.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serving(create_app(async_engine, ServerSettings())) as client:
+        yield client
     async_engine.shutdown()
 
 

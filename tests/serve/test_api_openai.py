@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from typing import Any
 
 import openai
 import pytest
-import uvicorn
 
 from serve_app.api import create_app
 from serve_app.config import ServerSettings
 from serve_app.engine.params import SpecOverride
-from tests.serve.fake_engine import MODEL, FakeEngine
+from tests.serve.fake_engine import MODEL, FakeEngine, serving
 
 # --- the official openai client against a real server ---------------------------------------------------
 
@@ -22,23 +19,8 @@ from tests.serve.fake_engine import MODEL, FakeEngine
 @pytest.fixture(scope="module")
 def server() -> Any:
     engine = FakeEngine()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    app = create_app(engine, ServerSettings(api_key="sk-test"))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert srv.started
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="sk-test", max_retries=0
-    )
-    yield engine, client
-    srv.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serving(create_app(engine, ServerSettings(api_key="sk-test")), api_key="sk-test") as client:
+        yield engine, client
 
 
 def test_openai_chat(server: Any) -> None:

@@ -6,21 +6,17 @@ prompt a real chat template makes of them: ``test_api_tool_templates``."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import openai
 import pytest
-import uvicorn
 
 from serve_app.api import create_app
 from serve_app.api.forced_tool_calls import call_schema, forced_output
 from serve_app.api.tool_calls import HERMES
 from serve_app.config import ServerSettings
 from serve_app.wire import EngineInfo
-from tests.serve.fake_engine import MODEL, FakeEngine, script
+from tests.serve.fake_engine import MODEL, FakeEngine, script, serving
 from tests.serve.test_api_logprobs import CHAT_CONTENT, logprob_chunks
 
 WEATHER_TOOL = {
@@ -48,24 +44,8 @@ def calling_script() -> list:
 def server() -> Iterator[tuple[FakeEngine, openai.OpenAI]]:
     engine = FakeEngine()
     engine.info_ = EngineInfo(MODEL, 512, 100, ["draft"], "draft", template_tools=True)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(
-        uvicorn.Config(create_app(engine, ServerSettings()), log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert srv.started
-    yield (
-        engine,
-        openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0),
-    )
-    srv.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serving(create_app(engine, ServerSettings())) as client:
+        yield engine, client
 
 
 def test_tool_calls_in_the_message(server: tuple[FakeEngine, openai.OpenAI]) -> None:
