@@ -79,3 +79,25 @@ class Alternatives:
         tokens = (*chain, *(token for _, _, token in kept))
         parents = (*range(-1, len(chain) - 1), *(ROOT if j == 0 else j - 1 for _, j, _ in kept))
         return TokenTree(tokens, parents, len(chain))
+
+
+def offer_runner_ups(alternatives: dict[int, Alternatives], active: list[int], rows: list[ProposeRow],
+                     logits: torch.Tensor, chosen: list[Choice], drafted: list[int]) -> None:  # fmt: skip
+    """One drafted position of every active row: where row ``i = active[k]`` has a budget in
+    ``alternatives``, its runner-up joins as a candidate if it could pass the floor, else the chain
+    only passes through ``chosen[k]``. ``logits`` ``[A, V]``: the proposer's, of the active rows at
+    this position; ``drafted[k]``: that position (0-based) in row ``i``'s draft."""
+    asking = []
+    for k, i in enumerate(active):
+        if i not in alternatives:
+            continue
+        if alternatives[i].worth_asking(chosen[k].confidence):
+            asking.append(k)
+        else:
+            alternatives[i].passes(chosen[k].confidence)
+    if not asking:
+        return
+    seconds = runner_up([rows[active[k]] for k in asking], logits[asking], [chosen[k] for k in asking],
+                        [drafted[k] for k in asking])  # fmt: skip
+    for k, (token, q, q_chosen) in zip(asking, seconds, strict=True):
+        alternatives[active[k]].add(drafted[k], token, q, q_chosen)

@@ -26,7 +26,7 @@ import torch
 
 from serve_app.engine.block_file import blocks_path
 from serve_app.engine.model import DecoderModel, DraftOptions
-from serve_app.engine.proposers.alternatives import Alternatives, runner_up
+from serve_app.engine.proposers.alternatives import Alternatives, offer_runner_ups
 from serve_app.engine.proposers.base import Draft, ProposeRow
 from serve_app.engine.proposers.choice import choose_tokens
 from serve_app.engine.proposers.registry import ProposerContext
@@ -111,18 +111,7 @@ class DraftModelProposer:
             drafted = [len(tokens[i]) for i in active]
             confident = self.min_confidence > 0 or bool(alternatives)
             chosen = choose_tokens([rows[i] for i in active], logits, confident, drafted)
-            branching = []
-            for k, i in enumerate(active):
-                if i in alternatives and alternatives[i].worth_asking(chosen[k].confidence):
-                    branching.append(k)
-                elif i in alternatives:
-                    alternatives[i].passes(chosen[k].confidence)
-            if branching:
-                seconds = runner_up([rows[active[k]] for k in branching], logits[branching],
-                                    [chosen[k] for k in branching],
-                                    [drafted[k] for k in branching])  # fmt: skip
-                for k, (token, q, q_chosen) in zip(branching, seconds, strict=True):
-                    alternatives[active[k]].add(drafted[k], token, q, q_chosen)
+            offer_runner_ups(alternatives, active, rows, logits, chosen, drafted)
             unsure = set()
             for i, choice in zip(active, chosen, strict=True):
                 tokens[i].append(choice.token)

@@ -7,7 +7,9 @@ output head over K rows, no model forward. The draft is a chain: each head's top
 its coupled winner, or a draw from its distribution with q recorded (sampling). Head k's q does
 not depend on the tokens drafted before it, which is allowed: verification accepts ``d_j`` with
 min(1, p/q_j) for any proposal distribution fixed before ``d_j`` is drawn, so the output is the
-target's either way. The proposer keeps one feature per slot and no cache: nothing to roll back.
+target's either way. Given a node budget (``ProposeRow.nodes``), head k's runner-up may join as a
+sibling of ``d_k`` (``proposers.alternatives``), the top two of each head the verifier sees as a
+token tree. The proposer keeps one feature per slot and no cache: nothing to roll back.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import torch
 
 from serve_app.engine.heads.medusa_heads import MedusaHeads
+from serve_app.engine.proposers.alternatives import Alternatives, offer_runner_ups
 from serve_app.engine.proposers.base import Draft, ProposeRow
 from serve_app.engine.proposers.choice import choose_tokens, take_choices
 from serve_app.engine.proposers.head_loading import load_head_parts
@@ -31,6 +34,7 @@ class MedusaProposer:
 
     name = KIND
     prefills = False
+    branches = True  # each head's runner-up may join as an alternative
 
     def __init__(self, heads: MedusaHeads, min_confidence: float = 0.0) -> None:
         self.heads = heads
@@ -64,16 +68,20 @@ class MedusaProposer:
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = [i for i, row in enumerate(rows) if row.depth > 0]
+        alternatives = {i: Alternatives(r.nodes, r.min_score) for i, r in enumerate(rows) if r.nodes > 0}
+        confident = self.min_confidence > 0 or bool(alternatives)
         for k in range(self.heads.num_heads):
             if not active:
                 break
-            chosen = choose_tokens(
-                [rows[i] for i in active], logits[active, k], self.min_confidence > 0, [k] * len(active)
-            )
+            head = logits[active, k]  # [A, V]: head k's, position k of every active row's draft
+            chosen = choose_tokens([rows[i] for i in active], head, confident, [k] * len(active))
+            offer_runner_ups(alternatives, active, rows, head, chosen, [k] * len(active))
             active = take_choices(active, chosen, rows, tokens, probs, self.min_confidence, keep_unsure=False)
         return [
-            Draft(tokens=t, probs=torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)
-        ]
+            Draft(tokens=t, probs=torch.stack(p) if p else None,
+                  tree=alternatives[i].tree(t) if i in alternatives else None)
+            for i, (t, p) in enumerate(zip(tokens, probs, strict=True))
+        ]  # fmt: skip
 
 
 def build_medusa_proposer(context: ProposerContext) -> MedusaProposer:
