@@ -10,7 +10,8 @@ over the same weights under the configured policy (``auto_method``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from loadtest.bench.method_names import AUTO, NONINVARIANT, Family, parse_method
@@ -29,16 +30,49 @@ def specserve_method(engine: Any, n: int, name: str, mode: str = OFF, depth: int
     speculation = SpecOverride(mode, max_depth=depth, tree_nodes=tree_nodes)
 
     def run(ids: list[int]) -> Run:
-        start = time.perf_counter()
-        done = engine.generate([ids], params, [speculation])[0]
-        seconds = time.perf_counter() - start
+        with timed_proposers(engine.proposers) as drafting:
+            start = time.perf_counter()
+            done = engine.generate([ids], params, [speculation])[0]
+            seconds = time.perf_counter() - start
         ttft, stats = done.time_to_first_token, done.spec_stats
         spec = mode != OFF and stats is not None
         counts = (stats.drafted, stats.accepted, stats.spec_steps) if spec else (None,) * 3
         at = (tuple(stats.drafted_per_position), tuple(stats.accepted_per_position)) if spec else ((), ())
-        return Run(done.token_ids, seconds, None if ttft is None else done.duration - ttft, *counts, *at)
+        cost = (drafting[0], int(drafting[1])) if spec else (None, None)
+        decode = None if ttft is None else done.duration - ttft
+        return Run(done.token_ids, seconds, decode, *counts, *at, *cost)
 
     return Method(name, run, description=description)
+
+
+@contextmanager
+def timed_proposers(proposers: Mapping[str, Any]) -> Iterator[list[float]]:
+    """While inside: every proposer's ``propose`` timed; yields ``[seconds, calls]``, summed over all
+    of them (one request at a time: its step's draft, whichever proposer made it)."""
+    spent = [0.0, 0.0]
+    wrapped = []
+    for proposer in proposers.values():
+        own = vars(proposer).get("propose")  # already an instance attribute (a test's watcher)
+        inner = proposer.propose
+
+        def timed(rows: Any, inner: Callable[[Any], Any] = inner) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(rows)
+            finally:
+                spent[0] += time.perf_counter() - start
+                spent[1] += 1
+
+        proposer.propose = timed
+        wrapped.append((proposer, own))
+    try:
+        yield spent
+    finally:
+        for proposer, own in wrapped:
+            if own is None:
+                del proposer.propose
+            else:
+                proposer.propose = own
 
 
 def without_invariance(method: Method, engine: Any) -> Method:

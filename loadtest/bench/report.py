@@ -5,8 +5,9 @@ tok/s is ``max_tokens / seconds`` (prefill included), medians over repeats. Per 
 for code+json, the issue's headline, and overall) a method's tok/s is the median over the kind's
 prompts and a speedup is the ratio of those medians. Acceptance is pooled: accepted / drafted
 summed over the timed repeats (and the kind's prompts); mean accepted length = (accepted +
-speculative steps) / speculative steps. Outputs are compared with the reference method's
-(``specserve-plain`` when it ran). The roofline is explained in ``loadtest.bench.machine``.
+speculative steps) / speculative steps. A proposer's cost is its time in ``propose`` per call (one
+call a step), against plain decoding's time per token after the first. Outputs are compared with
+the reference method's (``specserve-plain`` when it ran). The roofline: ``loadtest.bench.machine``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ MARKDOWN_REFERENCES = (PLAIN, ASSISTED)  # ratios in the Markdown table
 HEADLINE_TARGETS = {PLAIN: 2.0, ASSISTED: 1.3}  # model-drafted speculation on code+json, from the issue
 SPEC_KEYS = ("drafted", "accepted", "spec_steps")
 POSITION_KEYS = ("drafted_at", "accepted_at")  # per draft position, summed element by element
+DRAFT_KEYS = ("draft_seconds", "draft_calls")  # the proposers' time in propose, and its calls
 SHOWN_POSITIONS = 4  # positions in the Markdown table
 
 
@@ -63,6 +65,7 @@ def _sum_lists(lists: list[Any]) -> list[int]:
 def add_totals(totals: list[dict[str, Any]]) -> dict[str, Any]:
     """Totals of several runs or prompts added up (counts, and per-position counts by position)."""
     return {**{k: sum(t[k] for t in totals) for k in SPEC_KEYS},
+            **{k: sum(t.get(k) or 0 for t in totals) for k in DRAFT_KEYS},
             **{k: _sum_lists([t.get(k, []) for t in totals]) for k in POSITION_KEYS}}  # fmt: skip
 
 
@@ -72,7 +75,8 @@ def spec_totals(runs: list[Run]) -> dict[str, Any] | None:
     runs = [r for r in runs if r.drafted is not None]
     if not runs:
         return None
-    return add_totals([{k: getattr(r, k) or 0 for k in SPEC_KEYS} | {k: getattr(r, k) for k in POSITION_KEYS}
+    keys = (*SPEC_KEYS, *DRAFT_KEYS)
+    return add_totals([{k: getattr(r, k) or 0 for k in keys} | {k: getattr(r, k) for k in POSITION_KEYS}
                        for r in runs])  # fmt: skip
 
 
@@ -83,9 +87,11 @@ def spec_rates(totals: dict[str, Any]) -> dict[str, Any]:
     drafted_at, accepted_at = totals.get("drafted_at", []), totals.get("accepted_at", [])
     accepted_at = [*accepted_at, *[0] * (len(drafted_at) - len(accepted_at))]  # none kept that deep
     at = [a / d if d else None for d, a in zip(drafted_at, accepted_at, strict=True)]
+    calls, seconds = totals.get("draft_calls") or 0, totals.get("draft_seconds", 0.0)
     return {**totals, "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
-            "acceptance_at": at}  # fmt: skip
+            "acceptance_at": at,
+            "draft_ms_per_call": 1e3 * seconds / calls if calls else None}  # fmt: skip
 
 
 def reference(methods: list[str]) -> str:
@@ -104,7 +110,9 @@ def _group(name: str, rows: list[dict], methods: list[str], refs: list[str]) -> 
     totals = {m: add_totals([r["spec_totals"][m] for r in rows if m in r["spec_totals"]])
               for m in speculative}  # fmt: skip
     others = [m for m in methods if m != reference(methods)]
+    plain = [1e3 / r["decode_tok_s"][PLAIN] for r in rows if r["decode_tok_s"].get(PLAIN)]
     return {"group": name, "prompts": len(rows), "tok_s": rate, "speedup": _speedups(rate, refs),
+            "plain_ms_per_token": statistics.median(plain) if plain else None,
             "spec": {m: spec_rates(t) for m, t in totals.items()},
             "identical": {m: sum(r["divergence"][m] is None for r in rows) for m in others}}  # fmt: skip
 
@@ -226,6 +234,7 @@ def to_markdown(result: BenchResult) -> str:
                   "target kept (conditional: a position is verified only after the ones before it were "
                   "kept), pooled over the kind's prompts and the timed repeats.", "",
                   *_table(["kind", *speculative], rows), ""]  # fmt: skip
+        lines += _draft_cost_table(s["groups"], speculative)
     if others:
         rows = [[r["prompt"], r["kind"], *("identical" if r["divergence"][m] is None
                                           else f"differs at {r['divergence'][m]}" for m in others)]
@@ -257,6 +266,28 @@ def to_markdown(result: BenchResult) -> str:
     if result.server_path is not None:
         lines.append(server_path_markdown(result.server_path, result.max_tokens, result.repeats))
     return "\n".join(lines)
+
+
+def _draft_cost_table(groups: list[dict], speculative: list[str]) -> list[str]:
+    """Per kind: each speculative method's ms in ``propose`` per call, and that over plain decoding's
+    ms per token (the draft / target cost ratio of a step); none without plain decoding's times."""
+    if not any(g["plain_ms_per_token"] for g in groups):
+        return []
+
+    def cells(group: dict) -> list[str]:
+        unit, out = group["plain_ms_per_token"], []
+        for m in speculative:
+            ms = group["spec"].get(m, {}).get("draft_ms_per_call")
+            out.append("-" if ms is None or not unit else f"{ms:.2f} ms / {ms / unit:.3f}")
+        return out
+
+    rows = [[_label(g), f"{g['plain_ms_per_token']:.2f}" if g["plain_ms_per_token"] else "-", *cells(g)]
+            for g in groups]  # fmt: skip
+    return ["### Draft cost", "",
+            f"Each cell: the proposers' time in `propose` per call (one a step: a catch-up and every "
+            f"drafted token; a draft model's prefill at admission not included) / that over {PLAIN}'s "
+            "time per token after the first (median over the kind's prompts).", "",
+            *_table(["kind", f"{PLAIN} ms / token", *speculative], rows), ""]  # fmt: skip
 
 
 def to_json(result: BenchResult) -> dict[str, Any]:

@@ -23,6 +23,8 @@ class Run:
     spec_steps: int | None = None  # decode steps that verified a non-empty draft
     drafted_at: tuple[int, ...] = ()  # [j]: drafts verified at draft position j + 1
     accepted_at: tuple[int, ...] = ()  # [j]: of those, the ones the target kept
+    draft_seconds: float | None = None  # in the proposers' ``propose`` (admission prefills not included)
+    draft_calls: int | None = None  # ``propose`` calls: one per step that drafted
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,22 @@ def test_our_methods_report_speculation(tiny_engine, tiny_tokenizer) -> None:
     assert drafted.token_ids == plain.token_ids
     assert drafted.drafted == drafted.accepted > 0  # a self-draft is always right
     assert drafted.drafted <= 2 * drafted.spec_steps  # depth 2 per step
+    # the draft's cost: every step that drafted called propose once, and took time there
+    assert drafted.draft_calls >= drafted.spec_steps and drafted.draft_seconds > 0
+    assert plain.draft_calls is None
+    assert "propose" not in vars(tiny_engine.proposers["draft"])  # the timers are gone
+
+
+def test_proposer_timers_leave_a_watcher_in_place() -> None:
+    class Proposer:
+        def propose(self, rows):
+            return ["class"]
+
+    proposer = Proposer()
+    proposer.propose = lambda rows: ["watcher"]  # a test's own wrapper, as an instance attribute
+    with methods.timed_proposers({"p": proposer}) as spent:
+        assert proposer.propose([]) == ["watcher"] and spent[1] == 1
+    assert proposer.propose([]) == ["watcher"] and spent[1] == 1
 
 
 def test_measure_sweep_and_cost_curve_on_a_tiny_model(tiny_engine, tiny_tokenizer) -> None:

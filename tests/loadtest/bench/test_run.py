@@ -107,7 +107,8 @@ def test_first_divergence() -> None:
 def test_spec_totals_are_pooled_over_repeats() -> None:
     assert report.spec_totals(_runs([1.0])) is None
     totals = report.spec_totals(_runs([1.0, 1.0], spec=(8, 6, 4)))
-    assert totals == {"drafted": 16, "accepted": 12, "spec_steps": 8, "drafted_at": [], "accepted_at": []}
+    assert totals == {"drafted": 16, "accepted": 12, "spec_steps": 8, "draft_seconds": 0, "draft_calls": 0,
+                      "drafted_at": [], "accepted_at": []}  # fmt: skip
     rates = report.spec_rates(totals)
     assert rates["acceptance_rate"] == pytest.approx(0.75)
     assert rates["mean_accepted_length"] == pytest.approx(2.5)  # (12 + 8) / 8
@@ -229,6 +230,24 @@ def test_markdown_speculation_and_identity_tables() -> None:
     assert same[0] == ["prompt", "kind", D2, AS]
     assert same[2] == ["load_config (raw)", "code", "differs at 3", "identical"]
     assert same[-1] == ["**overall** (4 prompts)", "", "3/4 identical", "4/4 identical"]
+
+
+def test_draft_cost_is_propose_time_per_call_against_plain_time_per_token() -> None:
+    result = _result()
+    # quicksort: 3 runs of 4 propose calls in 20 ms each -> 5 ms a call; load_config: not timed
+    result.prompts[0].runs[D2] = [Run(TOKENS, 0.5, None, 8, 6, 4, draft_seconds=0.02, draft_calls=4)] * 3
+    s = report.summary(result)
+    code = next(g for g in s["groups"] if g["group"] == "code")
+    assert code["plain_ms_per_token"] == pytest.approx(75.0)  # median of 100 and 50 ms (decode 10, 20 tok/s)
+    assert code["spec"][D2]["draft_ms_per_call"] == pytest.approx(5.0)
+    table = _section(report.to_markdown(result), "Draft cost")
+    assert table[0] == ["kind", f"{OURS} ms / token", D2]
+    assert table[1] == ["**code** (2 prompts)", "75.00", "5.00 ms / 0.067"]
+    assert table[2][2] == "-"  # json: no propose timed
+    result.methods = [D2, AS]
+    for p in result.prompts:
+        p.runs.pop(OURS, None)
+    assert "### Draft cost" not in report.to_markdown(result)  # no plain time to weigh it against
 
 
 def test_markdown_without_transformers_or_speculation() -> None:
