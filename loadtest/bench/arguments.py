@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest.bench.sweeps import SWEEP_PLAIN, sweep_modes
+from loadtest.bench.sweeps import SWEEP_AUTO, SWEEP_PLAIN, sweep_mode_choices
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,9 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sweep-modes",
         nargs="+",
-        choices=sweep_modes(),
-        help=f"modes of --sweep (default: {SWEEP_PLAIN} and every proposer; a layer-skipping proposer runs "
-        "at its calibrated depth)",
+        choices=sweep_mode_choices(),
+        help=f"modes of --sweep (default: {SWEEP_PLAIN} and every proposer but trained heads; a "
+        f"layer-skipping proposer runs at its calibrated depth; {SWEEP_AUTO}: the configured policy decides)",
     )
     parser.add_argument(
         "--cost-curve",

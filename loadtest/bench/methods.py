@@ -143,12 +143,23 @@ def our_methods(
 
 def auto_method(engine: Any, settings: Settings, n: int, name: str = AUTO,
                 tree_nodes: int | None = None) -> Method:  # fmt: skip
-    """Requests that leave speculation to the server ("auto"): the configured policy with its cost
-    model profiled on these models, as a replica starts. A second engine over the same weights and
-    proposers (its own KV cache, in which a layer-skipping proposer drafts), used one request at a
-    time. Its default proposer is a replica's: the configured method when loaded, else the first
-    loaded proposer that drafts with a model, else the first loaded. ``tree_nodes``: the requests'
-    tree budget (``specserve-auto-t0``: chains only); None leaves it to the replica's setting."""
+    """Requests that leave speculation to the server ("auto") on ``auto_engine``, one at a time.
+    ``tree_nodes``: the requests' tree budget (``specserve-auto-t0``: chains only); None leaves it
+    to the replica's setting."""
+    auto = auto_engine(engine, settings)
+    spec = settings.speculation
+    note = f'our engine, speculation "auto": policy {spec.policy} over {", ".join(auto.proposers)}'
+    trees = spec.tree_nodes if tree_nodes is None else tree_nodes
+    note += f", trees of up to {trees} alternatives" if trees else ", chains only"
+    return specserve_method(auto, n, name, "auto", None, note, tree_nodes)
+
+
+def auto_engine(engine: Any, settings: Settings) -> Any:
+    """An engine under the configured policy with its cost model profiled on these models, as a
+    replica starts: a second engine over ``engine``'s weights and proposers (its own KV cache, in
+    which a layer-skipping proposer drafts). Its default proposer is a replica's: the configured
+    method when loaded, else the first loaded proposer that drafts with a model, else the first
+    loaded."""
     from dataclasses import replace
 
     from serve_app.engine.engine import SpecEngine
@@ -172,7 +183,4 @@ def auto_method(engine: Any, settings: Settings, n: int, name: str = AUTO,
     auto = SpecEngine(engine.model, engine.tokenizer, config, engine.eos_ids, proposers, cache=cache)
     if spec.profile_cost_model:
         auto.profile_cost_model()
-    note = f'our engine, speculation "auto": policy {spec.policy} over {", ".join(auto.proposers)}'
-    trees = spec.tree_nodes if tree_nodes is None else tree_nodes
-    note += f", trees of up to {trees} alternatives" if trees else ", chains only"
-    return specserve_method(auto, n, name, "auto", None, note, tree_nodes)
+    return auto

@@ -52,13 +52,13 @@ from loadtest.bench.method_names import (
     parse_method,
     select_methods,
 )
-from loadtest.bench.methods import our_methods
+from loadtest.bench.methods import auto_engine, our_methods
 from loadtest.bench.report import to_json, to_markdown
 from loadtest.bench.results import BenchResult, Method, PromptResult
 from loadtest.bench.self_spec import sweep_depths
 from loadtest.bench.server_path import MODES as SERVER_MODES
 from loadtest.bench.server_path import measure_server_path
-from loadtest.bench.sweeps import SWEEP_PLAIN, measure_cost_curve, measure_sweep, sweep_modes
+from loadtest.bench.sweeps import SWEEP_AUTO, SWEEP_PLAIN, measure_cost_curve, measure_sweep, sweep_modes
 from loadtest.bench.transformers_methods import transformers_methods
 from loadtest.catalogue import BENCH, Prompt, of_kinds
 from serve_app.builder import model_store
@@ -131,10 +131,10 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
     modes = list(getattr(args, "sweep_modes", None) or sweep_modes())
     # The sweep and the cost curve report their proposers too, so they load them whatever the methods are.
     needed = engine_proposers(names)
-    needed += [m for m in modes if m != SWEEP_PLAIN] if concurrencies else []
+    needed += [m for m in modes if m not in (SWEEP_PLAIN, SWEEP_AUTO)] if concurrencies else []
     needed += model_proposers()[:1] if args.cost_curve else []
     parsed = [p for p in map(parse_method, names) if p is not None]
-    auto = any(p.family is Family.AUTO for p in parsed)
+    auto = any(p.family is Family.AUTO for p in parsed) or bool(concurrencies and SWEEP_AUTO in modes)
     optional = settings.speculation.loaded_proposers() if auto else []  # as a replica loads
     n, rt, ref, spec = args.max_tokens, settings.runtime, settings.model.target, settings.speculation
     shape = {
@@ -182,8 +182,9 @@ def run_bench(args: argparse.Namespace, settings: Settings) -> int:
     sweep = None
     if concurrencies:
         depths_of = sweep_depths(engine, modes, target_folder(settings), settings)
+        policy = auto_engine(engine, settings) if SWEEP_AUTO in modes else None
         sweep = measure_sweep(engine, [encoded[p] for p in prompts], concurrencies, n, spec.depth,
-                              args.repeats, modes, mode_depths=depths_of)  # fmt: skip
+                              args.repeats, modes, mode_depths=depths_of, auto_engine=policy)  # fmt: skip
         if LLAMA_CPP in names:  # the peer of the sweep: llama.cpp's server, as many slots
             import torch
 

@@ -6,7 +6,9 @@ speculation "off") and speculative (every request on one proposer at one depth: 
 or the mode's own, e.g. self-speculation at its calibrated depth); throughput is all generated
 tokens / wall time (prefills included), median over repeats after a short warm-up, modes
 interleaved (plain, then each proposer, plain, ...) so all see the same machine state. Modes:
-``--sweep-modes`` (default: ``sweep_modes()``, plain and every registered proposer).
+``--sweep-modes`` (default: ``sweep_modes()``, plain and every registered proposer but trained
+heads; ``sweep_mode_choices()`` adds those and ``auto``: every request "auto", on an engine of its
+own under the configured policy, as a replica serves it, whose steps are counted per proposer).
 
 Cost curve: the target's forward over ``[B, T]`` new tokens against a cache of ``context`` tokens
 per row, logits included, for T tokens per row at batch B; and the draft's single-token step.
@@ -30,15 +32,21 @@ from serve_app.config import OFF
 from serve_app.engine.proposers.registry import proposer_specs
 
 SWEEP_PLAIN = PLAIN_POLICY  # the plain-decoding mode (speculation off); every other mode is a proposer
+SWEEP_AUTO = "auto"  # ... or the configured policy's choice, on the engine given for it
 COST_TOKENS = (1, 2, 4, 8, 16, 32)  # new tokens per row in one target forward
 COST_BATCHES = (1, 8)
 COST_CONTEXT = 200
 
 
 def sweep_modes() -> list[str]:
-    """Every mode: plain, then every registered proposer but trained heads (``--sweep-modes`` chooses
-    among them)."""
+    """The default modes: plain, then every registered proposer but trained heads (a machine has
+    those only after training)."""
     return [SWEEP_PLAIN, *(s.name for s in proposer_specs() if not s.trained)]
+
+
+def sweep_mode_choices() -> list[str]:
+    """What ``--sweep-modes`` may name: plain, every registered proposer, and auto."""
+    return [SWEEP_PLAIN, *(s.name for s in proposer_specs()), SWEEP_AUTO]
 
 
 def _log(message: str) -> None:
@@ -56,6 +64,7 @@ class SweepRun:
     accepted: int = 0
     spec_steps: int = 0
     differs: int | None = None  # requests whose output differs from the plain one (None: no plain)
+    by_proposer: dict[str, int] = field(default_factory=dict)  # speculative steps of each proposer
 
 
 @dataclass
@@ -90,15 +99,19 @@ def measure_sweep(
     modes: Sequence[str] | None = None,
     log: Callable[[str], None] = _log,
     mode_depths: dict[str, int] | None = None,
+    auto_engine: Any | None = None,
 ) -> Sweep:
     """Time every mode at every concurrency (see the module docstring); ``mode_depths`` gives a
-    mode a depth of its own. Default modes: plain (``SWEEP_PLAIN``) and every proposer loaded."""
+    mode a depth of its own; ``auto_engine`` runs the ``SWEEP_AUTO`` mode (needed for it). Default
+    modes: plain (``SWEEP_PLAIN``) and every proposer loaded."""
     mode_depths = dict(mode_depths or {})
     if modes is None:
         modes = [SWEEP_PLAIN, *engine.proposers]
-    missing = [m for m in modes if m != SWEEP_PLAIN and m not in engine.proposers]
+    missing = [m for m in modes if m not in (SWEEP_PLAIN, SWEEP_AUTO) and m not in engine.proposers]
     if missing:
         raise ValueError(f"sweep modes {missing} have no proposer loaded ({', '.join(engine.proposers)})")
+    if SWEEP_AUTO in modes and auto_engine is None:
+        raise ValueError(f"sweep mode {SWEEP_AUTO!r} needs an engine under the policy (auto_engine)")
     from serve_app.engine.params import SamplingParams, SpecOverride
 
     if max(concurrencies) > engine.config.max_slots:
@@ -114,8 +127,11 @@ def measure_sweep(
             for mode in modes:
                 k = mode_depths.get(mode, depth)
                 spec = SpecOverride(OFF) if mode == SWEEP_PLAIN else SpecOverride(mode, max_depth=k)
+                runs_on = engine
+                if mode == SWEEP_AUTO:  # the policy picks proposer and depth
+                    spec, runs_on = SpecOverride(SWEEP_AUTO), auto_engine
                 start = time.perf_counter()
-                done = engine.generate(batch, params, [spec] * c)
+                done = runs_on.generate(batch, params, [spec] * c)
                 seconds = time.perf_counter() - start
                 outputs = [d.token_ids for d in done]
                 if rep == 0:
@@ -123,12 +139,17 @@ def measure_sweep(
                 if mode == SWEEP_PLAIN and plain_outputs is None:
                     plain_outputs = outputs
                 stats = [d.spec_stats for d in done if d.spec_stats is not None]
+                by_proposer: dict[str, int] = {}
+                for st in stats:
+                    for name, steps in st.steps_by_proposer.items():
+                        by_proposer[name] = by_proposer.get(name, 0) + steps
                 run = SweepRun(
                     tokens=sum(len(o) for o in outputs), seconds=seconds,
                     drafted=sum(s.drafted for s in stats), accepted=sum(s.accepted for s in stats),
                     spec_steps=sum(s.spec_steps for s in stats),
                     differs=None if plain_outputs is None else sum(
                         o != p for o, p in zip(outputs, plain_outputs, strict=True)),
+                    by_proposer=by_proposer,
                 )  # fmt: skip
                 point.runs[mode].append(run)
                 log(f"[sweep c={c}] {mode} repeat {rep}/{repeats}: {run.tokens / seconds:.2f} tok/s")
@@ -150,6 +171,7 @@ def sweep_summary(sweep: Sweep) -> dict[str, Any]:
                       if SWEEP_PLAIN in rate and m != SWEEP_PLAIN},
             "acceptance": {m: sum(r.accepted for r in p.runs[m]) / drafted[m] for m in rate if drafted[m]},
             "differs": {m: max(d) for m, d in differs.items() if d and m != SWEEP_PLAIN},
+            "steps_by_proposer": {m: _pooled_steps(runs) for m, runs in p.runs.items() if m == SWEEP_AUTO},
         })  # fmt: skip
         if runs := sweep.peer.get(p.concurrency):
             rows[-1]["peer_tok_s"] = statistics.median(t / s for t, s in runs)
@@ -160,10 +182,19 @@ def sweep_summary(sweep: Sweep) -> dict[str, Any]:
     return {"rows": rows, "stops_paying_at": stops}
 
 
+def _pooled_steps(runs: Sequence[SweepRun]) -> dict[str, int]:
+    """Speculative steps per proposer, summed over ``runs``, most first."""
+    total: dict[str, int] = {}
+    for run in runs:
+        for name, steps in run.by_proposer.items():
+            total[name] = total.get(name, 0) + steps
+    return dict(sorted(total.items(), key=lambda item: -item[1]))
+
+
 def sweep_markdown(sweep: Sweep) -> str:
     """The sweep table and one line on where speculation stops paying."""
     s = sweep_summary(sweep)
-    label = {m: m if m == SWEEP_PLAIN else f"{m} d{sweep.depth_of(m)}" for m in sweep.modes}
+    label = {m: m if m in (SWEEP_PLAIN, SWEEP_AUTO) else f"{m} d{sweep.depth_of(m)}" for m in sweep.modes}
     speculative = [m for m in sweep.modes if m != SWEEP_PLAIN]
     head = ["concurrent requests", *(["plain tok/s"] if SWEEP_PLAIN in sweep.modes else [])]
     head += [c for m in speculative for c in (f"{label[m]} tok/s", f"{label[m]} / plain", f"{m} acceptance")]
@@ -198,6 +229,11 @@ def sweep_markdown(sweep: Sweep) -> str:
             "",
             "Speculation stops paying (first concurrency with ratio < 1): " + "; ".join(stops) + ".",
         ]
+    picks = [f"{r['concurrency']}: " + (", ".join(f"{p} {n}" for p, n in steps.items()) or "none")
+             for r in s["rows"] if (steps := r["steps_by_proposer"].get(SWEEP_AUTO)) is not None]  # fmt: skip
+    if picks:
+        lines += ["", f"{SWEEP_AUTO}'s speculative steps by proposer (all repeats), by concurrency: "
+                  + "; ".join(picks) + "."]  # fmt: skip
     return "\n".join([*lines, ""])
 
 

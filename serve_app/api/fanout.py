@@ -77,11 +77,16 @@ def merge_speculation(blocks: list[p.SpeculationInfo | None]) -> p.SpeculationIn
     per_position = [sum(b.accepted_per_position[i] for b in known if i < len(b.accepted_per_position))
                     for i in range(positions)]  # fmt: skip
     drafted, accepted, spec_steps = total["drafted"], total["accepted"], total["spec_steps"]
+    by_proposer: dict[str, int] = {}
+    for b in known:
+        for name, steps in b.steps_by_proposer.items():
+            by_proposer[name] = by_proposer.get(name, 0) + steps
     return p.SpeculationInfo(
         proposer=next((b.proposer for b in reversed(known) if b.proposer), None),
         acceptance_rate=round(accepted / drafted, 4) if drafted else 0.0,
         mean_accepted_length=round((accepted + spec_steps) / spec_steps, 4) if spec_steps else 0.0,
         accepted_per_position=per_position,
+        steps_by_proposer=by_proposer,
         **total,
     )
 

@@ -308,6 +308,8 @@ class SpeculationInfo(BaseModel):
     mean_accepted_length: float = 0.0
     accepted_per_position: list[int] = Field(default_factory=list)
     tree_steps: int = 0  # steps that verified a token tree (drafted then counts its nodes)
+    # speculative steps of each proposer ("auto" may switch between them within a request)
+    steps_by_proposer: dict[str, int] = Field(default_factory=dict)
 
 
 class CompletionChoice(BaseModel):

@@ -31,6 +31,7 @@ class SpecStats:
     steps_all_accepted: int = 0  # speculative steps whose whole draft was kept (+ a bonus token)
     steps_none_accepted: int = 0  # speculative steps whose first draft token was rejected
     tree_steps: int = 0  # speculative steps that verified a token tree (engine.tree)
+    steps_by_proposer: dict[str, int] = field(default_factory=dict)  # speculative steps of each proposer
 
     def record(self, proposer: str | None, drafted: int, accepted: int, depth: int | None = None) -> None:
         """One step: ``drafted`` tokens verified (a tree's nodes), ``accepted`` kept; ``depth``: a
@@ -43,6 +44,8 @@ class SpecStats:
         if drafted:
             self.spec_steps += 1
             self.tree_steps += tree
+            if proposer is not None:
+                self.steps_by_proposer[proposer] = self.steps_by_proposer.get(proposer, 0) + 1
             self.steps_all_accepted += accepted == depth
             self.steps_none_accepted += accepted == 0
         if proposer is not None:
@@ -72,6 +75,7 @@ class SpecStats:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
             "tree_steps": self.tree_steps,
+            "steps_by_proposer": dict(self.steps_by_proposer),
         }
 
 

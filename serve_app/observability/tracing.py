@@ -301,9 +301,16 @@ def speculation_attributes(stats: Mapping[str, object]) -> dict[str, AttributeVa
 
     ``{"proposer": "draft", "drafted": 12, ...}`` -> ``{"specserve.proposer": "draft",
     "specserve.drafted": 12, ...}``. None values are dropped (OpenTelemetry attributes cannot be
-    None), lists become tuples (``specserve.accepted_per_position``), and keys already starting
-    with ``specserve.`` are kept as they are.
+    None), lists become tuples (``specserve.accepted_per_position``), a mapping becomes one
+    attribute per entry (``{"steps_by_proposer": {"eagle": 3}}`` ->
+    ``specserve.steps_by_proposer.eagle = 3``), and keys already starting with ``specserve.`` are
+    kept as they are.
     """
-    return clean_attributes(
-        {(key if key.startswith("specserve.") else f"specserve.{key}"): value for key, value in stats.items()}
-    )
+    flat: dict[str, object] = {}
+    for key, value in stats.items():
+        key = key if key.startswith("specserve.") else f"specserve.{key}"
+        if isinstance(value, Mapping):
+            flat.update({f"{key}.{name}": v for name, v in value.items()})
+        else:
+            flat[key] = value
+    return clean_attributes(flat)

@@ -26,7 +26,7 @@ MODEL = "tiny-model"
 SPEC = {
     "proposer": "draft", "steps": 2, "spec_steps": 2, "drafted": 8, "accepted": 6,
     "acceptance_rate": 0.75, "mean_accepted_length": 4.0, "accepted_per_position": [2, 2, 1, 1],
-    "tree_steps": 0,
+    "tree_steps": 0, "steps_by_proposer": {"draft": 2},
 }  # fmt: skip
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": MODEL, "prompt": "def add(a, b):"}

@@ -145,10 +145,11 @@ def test_a_failing_choice_mid_stream_ends_the_stream_and_aborts_the_others(
 def test_derived_seeds_wrap_and_speculation_blocks_merge() -> None:
     assert derived_seed(2**64 - 1, 1) == -(2**63) and derived_seed(-5, 2) == -3
     a = SpeculationInfo(proposer="ngram", steps=2, spec_steps=2, drafted=4, accepted=2,
-                        accepted_per_position=[2])  # fmt: skip
+                        accepted_per_position=[2], steps_by_proposer={"draft": 2, "self": 1})  # fmt: skip
     b = SpeculationInfo(proposer="self", steps=3, spec_steps=1, drafted=2, accepted=2,
-                        accepted_per_position=[1, 1])  # fmt: skip
+                        accepted_per_position=[1, 1], steps_by_proposer={"self": 1})  # fmt: skip
     merged = merge_speculation([a, None, b])
+    assert merged.steps_by_proposer == {"draft": 2, "self": 2}
     assert (merged.drafted, merged.accepted, merged.accepted_per_position) == (6, 4, [3, 1])
     assert merged.acceptance_rate == round(4 / 6, 4) and merged.mean_accepted_length == round(7 / 3, 4)
     assert merge_speculation([None, a]) is a and merge_speculation([]) is None

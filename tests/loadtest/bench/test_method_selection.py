@@ -157,6 +157,22 @@ def test_measure_sweep_and_cost_curve_on_a_tiny_model(tiny_engine, tiny_tokenize
     assert set(curve.draft) == {1, 2}
 
 
+def test_the_sweep_runs_auto_on_an_engine_under_the_policy(tiny_engine, tiny_tokenizer) -> None:
+    prompts = [tiny_tokenizer(t)["input_ids"] for t in ("def add(a, b):", "The quick brown fox")]
+    modes = ["plain", "auto"]
+    with pytest.raises(ValueError, match="auto_engine"):
+        sweeps.measure_sweep(tiny_engine, prompts, [2], 8, 2, repeats=1, modes=modes)
+    policy = methods.auto_engine(tiny_engine, Settings())
+    sweep = sweeps.measure_sweep(tiny_engine, prompts, [1, 2], 8, 2, repeats=1, modes=modes,
+                                 log=lambda _: None, auto_engine=policy)  # fmt: skip
+    for point in sweep.points:
+        auto = point.runs["auto"][0]
+        assert auto.differs == 0 and auto.tokens == 8 * point.concurrency
+        assert sum(auto.by_proposer.values()) == auto.spec_steps > 0  # a self-draft: the policy drafts
+        assert set(auto.by_proposer) <= set(tiny_engine.proposers)
+    assert policy.cache.num_free == policy.config.max_slots
+
+
 def test_a_method_may_name_a_weight_format() -> None:
     from loadtest.bench.method_names import Family, parse_method
 

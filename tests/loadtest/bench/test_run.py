@@ -308,6 +308,14 @@ def test_sweep_markdown() -> None:
     ]
     assert table[2] == ["4", "40.00", "20.00", "0.50x", "25%", "50.00", "1.25x", "-", "draft 1/4, ngram 0/4"]
     assert "draft d6 at 4 concurrent requests; ngram d6: pays at every concurrency." in markdown
+    sweep = _sweep()
+    sweep.modes = ["plain", "auto"]
+    for point, by in zip(sweep.points, ({"eagle": 3, "ngram": 5}, {}), strict=True):
+        point.runs = {"plain": point.runs["plain"], "auto": [SweepRun(10, 1.0, 4, 2, 2, 0, by)] * 2}
+    markdown = report.to_markdown(_result(sweep=sweep))
+    assert _section(markdown, "Batch sweep")[0][2:4] == ["auto tok/s", "auto / plain"]  # the policy's depth
+    picks = "speculative steps by proposer (all repeats), by concurrency: 1: ngram 10, eagle 6; 4: none."
+    assert picks in markdown
 
 
 def test_cost_curve_table() -> None:

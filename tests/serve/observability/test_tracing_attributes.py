@@ -148,8 +148,9 @@ def test_speculation_attributes_prefix_and_drop_none() -> None:
     assert attrs["specserve.mean_accepted_length"] == 4.75
     assert attrs["specserve.spec_steps"] == 8
     assert attrs["specserve.accepted_per_position"] == (8, 8, 7, 7)
-    plain = speculation_attributes({"proposer": None, "drafted": 0, "nested": {"a": 1}})
-    assert plain == {"specserve.drafted": 0}  # None and non-attribute values dropped
+    plain = speculation_attributes({"proposer": None, "drafted": 0, "nested": {"a": 1, "deeper": {"b": 2}}})
+    # None and non-attribute values dropped; one level of mapping flattened
+    assert plain == {"specserve.drafted": 0, "specserve.nested.a": 1}
 
 
 def test_attributes_are_accepted_by_a_span(traced) -> None:
@@ -309,4 +310,5 @@ def test_speculation_attributes_of_real_spec_stats() -> None:
     assert attrs["specserve.spec_steps"] == 1
     assert attrs["specserve.mean_accepted_length"] == 4.0
     assert attrs["specserve.accepted_per_position"] == (1, 1, 1)
+    assert attrs["specserve.steps_by_proposer.draft"] == 1 and "specserve.steps_by_proposer" not in attrs
     assert speculation_attributes(SpecStats().as_dict()).get("specserve.proposer") is None
