@@ -181,17 +181,18 @@ def test_eagle_cache_holds_the_verified_pairs_only(stored, tiny_tokenizer) -> No
         assert cached + state.pending == engine.cache.lengths[request.slot]
 
 
-def test_medusa_trees_are_plain_output_greedy_and_coupled(stored, tiny_tokenizer, monkeypatch) -> None:
-    """Each head's runner-up joins beside the chain (a tree per row), and the walked trees emit plain
-    decoding's tokens: greedy and coupled rows, tree, chain and plain rows in one batch. The floor
-    is 0 (every budgeted runner-up joins): random heads' runner-ups would not pass a priced one."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_head_trees_are_plain_output_greedy_and_coupled(stored, tiny_tokenizer, monkeypatch, kind) -> None:
+    """The runner-up at each drafted position joins beside the chain (a tree per row), and the
+    walked trees emit plain decoding's tokens: greedy and coupled rows, tree, chain and plain rows in
+    one batch. The floor is 0 (every budgeted runner-up joins): random heads' would not pass a priced one."""
     monkeypatch.setattr("serve_app.engine.planner.alternative_floor", lambda *args: 0.0)
-    engine = _engine(stored, "medusa", slots=6)
+    engine = _engine(stored, kind, slots=6)
     prompts = [tiny_tokenizer(t)["input_ids"] for t in ("def add(a, b):", "The quick brown", '{"name":')] * 2
     params = [SamplingParams(max_tokens=20, temperature=0.0 if i % 2 == 0 else 0.9, seed=i, ignore_eos=True)
               for i in range(len(prompts))]  # fmt: skip
     plain = engine.generate(prompts, params, SpecOverride(mode="off"))
-    proposer = engine.proposers["medusa"]
+    proposer = engine.proposers[kind]
     drafted, trees = proposer.propose, []
 
     def watch(rows):
@@ -200,9 +201,9 @@ def test_medusa_trees_are_plain_output_greedy_and_coupled(stored, tiny_tokenizer
         return drafts
 
     proposer.propose = watch
-    modes = [SpecOverride(mode="medusa", tree_nodes=n) for n in (3, 2, 0, 1)]
-    modes += [SpecOverride(mode="off"), SpecOverride(mode="medusa", tree_nodes=3)]
+    modes = [SpecOverride(mode=kind, tree_nodes=n) for n in (3, 2, 0, 1)]
+    modes += [SpecOverride(mode="off"), SpecOverride(mode=kind, tree_nodes=3)]
     spec = engine.generate(prompts, params, modes)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert trees and max(len(t) - t.chain for t in trees) > 0  # alternatives were verified
-    assert engine.cache.num_free == 6 and not proposer._last
+    assert engine.cache.num_free == 6 and not getattr(proposer, "_slots", getattr(proposer, "_last", {}))

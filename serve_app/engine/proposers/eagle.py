@@ -9,11 +9,13 @@ rows ``r < c``. A proposal:
    prediction at ``r = n-1`` approximates ``feature_n`` and its logits give draft ``d_1``;
 2. each further draft token ``d_{j+1}``: feed ``(prediction_j, d_j)`` at row ``n + j - 1``.
 
-Rows ``>= n`` of the head's cache were written from predicted features, so the cache length goes
-back to ``n`` before ``propose`` returns: whatever the target accepts, the next catch-up feeds the
-true features of the accepted tokens (which the engine hands over after verification). Nothing in
-the head touches the target's numbers: verification is the same as for any proposer, so the output
-is plain decoding's (greedy argmax match; sampling: the recorded q, or coupled noise).
+Given a node budget, the runner-up at each drafted position may join as a sibling (a token tree,
+``proposers.alternatives``; never fed to the head). Rows ``>= n`` of the head's cache were written
+from predicted features, so the cache length goes back to ``n`` before ``propose`` returns:
+whatever the target accepts, the next catch-up feeds the true features of the accepted tokens
+(which the engine hands over after verification). Nothing in the head touches the target's
+numbers: verification is the same as for any proposer, so the output is plain decoding's (greedy
+argmax match; sampling: the recorded q, or coupled noise).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serve_app.engine.heads.eagle_head import EagleHead
+from serve_app.engine.proposers.alternatives import Alternatives, offer_runner_ups
 from serve_app.engine.proposers.base import Draft, ProposeRow
 from serve_app.engine.proposers.choice import choose_tokens, take_choices
 from serve_app.engine.proposers.head_loading import HeadParts, load_head_parts
@@ -47,6 +50,7 @@ class EagleProposer:
 
     name = KIND
     prefills = False  # admission costs nothing; the prompt's features are fed with the first draft
+    branches = True  # the runner-up at each drafted position may join as an alternative
 
     def __init__(
         self, head: EagleHead, max_slots: int, max_seq_len: int, min_confidence: float = 0.0
@@ -85,15 +89,14 @@ class EagleProposer:
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = list(range(len(rows)))
+        alternatives = {i: Alternatives(r.nodes, r.min_score) for i, r in enumerate(rows) if r.nodes > 0}
+        confident = self.min_confidence > 0 or bool(alternatives)
         try:
             while True:
                 logits = self.model.logits(predicted[active])  # [A, V]
-                chosen = choose_tokens(
-                    [rows[i] for i in active],
-                    logits,
-                    self.min_confidence > 0,
-                    [len(tokens[i]) for i in active],
-                )
+                drafted = [len(tokens[i]) for i in active]
+                chosen = choose_tokens([rows[i] for i in active], logits, confident, drafted)
+                offer_runner_ups(alternatives, active, rows, logits, chosen, drafted)
                 active = take_choices(
                     active, chosen, rows, tokens, probs, self.min_confidence, keep_unsure=False
                 )
@@ -111,8 +114,10 @@ class EagleProposer:
             for slot, end in zip(slots, ends, strict=True):
                 cache.set_length(slot, end)
         return [
-            Draft(tokens=t, probs=torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)
-        ]
+            Draft(tokens=t, probs=torch.stack(p) if p else None,
+                  tree=alternatives[i].tree(t) if i in alternatives else None)
+            for i, (t, p) in enumerate(zip(tokens, probs, strict=True))
+        ]  # fmt: skip
 
     def _catch_up(self, rows: list[ProposeRow], ends: list[int]) -> torch.Tensor:
         """Feed every row's known pairs ``c .. n-1`` in one ragged forward; the last prediction of
