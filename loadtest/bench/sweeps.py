@@ -21,6 +21,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,10 +140,7 @@ def measure_sweep(
                 if mode == SWEEP_PLAIN and plain_outputs is None:
                     plain_outputs = outputs
                 stats = [d.spec_stats for d in done if d.spec_stats is not None]
-                by_proposer: dict[str, int] = {}
-                for st in stats:
-                    for name, steps in st.steps_by_proposer.items():
-                        by_proposer[name] = by_proposer.get(name, 0) + steps
+                by_proposer = dict(sum((Counter(st.steps_by_proposer) for st in stats), Counter()))
                 run = SweepRun(
                     tokens=sum(len(o) for o in outputs), seconds=seconds,
                     drafted=sum(s.drafted for s in stats), accepted=sum(s.accepted for s in stats),
@@ -184,11 +182,7 @@ def sweep_summary(sweep: Sweep) -> dict[str, Any]:
 
 def _pooled_steps(runs: Sequence[SweepRun]) -> dict[str, int]:
     """Speculative steps per proposer, summed over ``runs``, most first."""
-    total: dict[str, int] = {}
-    for run in runs:
-        for name, steps in run.by_proposer.items():
-            total[name] = total.get(name, 0) + steps
-    return dict(sorted(total.items(), key=lambda item: -item[1]))
+    return dict(sum((Counter(run.by_proposer) for run in runs), Counter()).most_common())
 
 
 def sweep_markdown(sweep: Sweep) -> str:
